@@ -1,0 +1,223 @@
+"""Configuration: the GRPO-family rollout settings and the Target Policy Optimization settings.
+
+Field names follow the ones GRPO users already know, so that a GRPO script moves over by changing its imports.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+LOSS_TYPES = ("tpo", "grpo")
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    """Training arguments for group-sampling RL trainers: rollout, sampling, reward and logging settings.
+
+    Each optimisation step sees ``per_device_train_batch_size * world_size`` completions. A rollout generates
+    ``generation_batch_size`` completions (``num_generations`` per prompt) and serves ``steps_per_generation``
+    optimisation steps, each repeated ``num_iterations`` times.
+    """
+
+    # --- Defaults that suit RL fine-tuning rather than supervised training -------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for the optimizer."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
+    dataloader_pin_memory: bool = field(
+        default=False, metadata={"help": "Pin dataloader memory. Off: batches are raw rows, tokenised at rollout."}
+    )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Keep every dataset column: reward functions receive the extra columns as keyword arguments."},
+    )
+
+    # --- Model --------------------------------------------------------------------------------------------------
+    model_init_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `from_pretrained` when the model is given as an id or path (JSON)."},
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Set every dropout probability to 0 in the policy and the reference model."},
+    )
+
+    # --- Rollout ------------------------------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (K, the group size)."})
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions generated per rollout, over all processes. Defaults to "
+            "per_device_train_batch_size * world_size * steps_per_generation. Exclusive with steps_per_generation."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={"help": "Optimisation micro-steps served by one rollout (default 1). Exclusive with generation_batch_size."},
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Times each step batch of a rollout is optimised on (epochs per rollout)."}
+    )
+    max_prompt_length: int | None = field(
+        default=512, metadata={"help": "Prompts longer than this many tokens keep their last tokens. None: no limit."}
+    )
+    max_completion_length: int = field(default=256, metadata={"help": "Maximum number of generated tokens."})
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Treat completions that hit max_completion_length without EOS as invalid (no loss, q = 0)."},
+    )
+
+    # --- Sampling -----------------------------------------------------------------------------------------------
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."}
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass. 1.0 disables it."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling. 0 disables it."})
+    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability relative to the top one."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty. 1.0 disables it."})
+    generation_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra `GenerationConfig` settings for rollouts (JSON), e.g. '{\"suppress_tokens\": [3]}'."},
+    )
+
+    # --- Loss ---------------------------------------------------------------------------------------------------
+    loss_type: str = field(
+        default="grpo",
+        metadata={"help": "The policy loss: 'grpo' (clipped surrogate) or 'tpo' (target cross-entropy).", "choices": LOSS_TYPES},
+    )
+    beta: float = field(
+        default=0.0, metadata={"help": "Weight of the KL penalty to the reference model. 0 loads no reference model."}
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the 'grpo' surrogate ratio."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping range of the 'grpo' surrogate ratio. Defaults to epsilon."}
+    )
+
+    # --- Rewards ------------------------------------------------------------------------------------------------
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight per reward function, in order. Defaults to 1.0 each."},
+    )
+
+    # --- Logging ------------------------------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False, metadata={"help": "Print a table of prompts, completions, rewards and targets at each log."}
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Rows of the completions table. None prints every completion of the rollout."}
+    )
+
+    def __post_init__(self):
+        # Dict-valued fields arrive as JSON strings from the command line.
+        for name in ("model_init_kwargs", "generation_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    setattr(self, name, json.loads(value))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"`{name}` must be a dict or a JSON object string, got {value!r}: {error}") from error
+        super().__post_init__()
+        self._check_rollout_settings()
+        self._resolve_batch_layout()
+
+    def _check_rollout_settings(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be at least 2 (a group needs two completions to compare), got {self.num_generations}."
+            )
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}.")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
+            raise ValueError(f"num_completions_to_print must be >= 1 or None, got {self.num_completions_to_print}.")
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            raise ValueError(f"generation_kwargs must be a dict, got {type(self.generation_kwargs).__name__}.")
+        if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
+            raise ValueError(f"model_init_kwargs must be a dict, got {type(self.model_init_kwargs).__name__}.")
+
+    def _resolve_batch_layout(self) -> None:
+        """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""
+        world_size = self.world_size
+        step_batch = self.per_device_train_batch_size * world_size
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError("Set either generation_batch_size or steps_per_generation, not both.")
+        if self.generation_batch_size is None:
+            self.steps_per_generation = self.steps_per_generation or 1
+            if self.steps_per_generation < 1:
+                raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
+            self.generation_batch_size = step_batch * self.steps_per_generation
+        else:
+            if self.generation_batch_size < 1 or self.generation_batch_size % step_batch != 0:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be a positive multiple of "
+                    f"per_device_train_batch_size * world_size ({self.per_device_train_batch_size} * {world_size} = "
+                    f"{step_batch})."
+                )
+            self.steps_per_generation = self.generation_batch_size // step_batch
+
+        per_step = self.generation_batch_size // self.steps_per_generation
+        if per_step % self.num_generations != 0:
+            raise ValueError(
+                f"Each optimisation step must hold whole prompt groups: generation_batch_size // steps_per_generation "
+                f"= {per_step} completions (per_device_train_batch_size {self.per_device_train_batch_size} x "
+                f"{world_size} processes) is not a multiple of num_generations={self.num_generations}. Change "
+                "per_device_train_batch_size or num_generations so that the first divides by the second."
+            )
+        if world_size > 1 and self.steps_per_generation > 1 and self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(
+                f"With {world_size} processes and steps_per_generation={self.steps_per_generation} > 1, each process's "
+                f"step must hold whole groups: per_device_train_batch_size ({self.per_device_train_batch_size}) must be "
+                f"a multiple of num_generations ({self.num_generations})."
+            )
+        if self.do_eval or self.eval_strategy != "no":
+            eval_batch = self.per_device_eval_batch_size * world_size
+            if eval_batch % self.num_generations != 0:
+                raise ValueError(
+                    f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size * world_size "
+                    f"= {eval_batch} is not a multiple of num_generations={self.num_generations}."
+                )
+
+
+@dataclass
+class TargetPOConfig(GRPOConfig):
+    """Training arguments for :class:`~targetpo.TargetPOTrainer`: GRPO rollout settings plus the TPO target.
+
+    The target over a group is ``q ∝ p_old · exp(u / tpo_target_temperature)``, where ``u`` are the group-whitened
+    scores; the policy is fitted to it by cross-entropy.
+    """
+
+    loss_type: str = field(
+        default="tpo",
+        metadata={"help": "The policy loss: 'tpo' (target cross-entropy) or 'grpo' (clipped surrogate baseline).", "choices": LOSS_TYPES},
+    )
+    tpo_target_temperature: float = field(
+        default=1.0,
+        metadata={"help": "eta in q ∝ p_old · exp(u / eta). Smaller moves the target further from p_old. Must be > 0."},
+    )
+    tpo_length_normalize_logps: bool = field(
+        default=True,
+        metadata={"help": "Use the mean token log-prob of a completion as its sequence log-prob (False: the sum)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.tpo_target_temperature > 0:
+            raise ValueError(f"tpo_target_temperature (eta) must be > 0, got {self.tpo_target_temperature}.")

@@ -1,0 +1,135 @@
+"""Prompt datasets: checks, rendering and the sampler that keeps each prompt's completions together."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+def is_conversational(example: dict[str, Any]) -> bool:
+    """True when the example's prompt is a list of chat messages (dicts with 'role' and 'content')."""
+    prompt = example.get("prompt")
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 0
+        and all(isinstance(message, dict) and "role" in message and "content" in message for message in prompt)
+    )
+
+
+def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
+    """Refuse datasets the trainer cannot use, before any model work starts."""
+    if dataset is None:
+        return
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            f"The {split} dataset must be a map-style dataset with a length (e.g. `datasets.Dataset`), not a "
+            f"{type(dataset).__name__}: prompts are sampled by index so that each is repeated num_generations times."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"The {split} dataset is empty: it needs at least one row with a 'prompt'.")
+    first = dataset[0]
+    if not isinstance(first, dict) or "prompt" not in first:
+        columns = list(first.keys()) if isinstance(first, dict) else type(first).__name__
+        raise ValueError(
+            f"The {split} dataset has no 'prompt' column (found {columns}). Prompt-only datasets need a 'prompt' column "
+            "holding either a string or a list of chat messages; rename yours with "
+            "`dataset.rename_column('question', 'prompt')`."
+        )
+    prompt = first["prompt"]
+    if is_conversational(first):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"The {split} dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
+                "template. Set `tokenizer.chat_template`, or use a standard dataset whose prompts are strings."
+            )
+    elif not isinstance(prompt, str):
+        raise ValueError(
+            f"The {split} dataset's 'prompt' must be a string or a list of {{'role', 'content'}} messages, got "
+            f"{type(prompt).__name__}: {prompt!r:.80}"
+        )
+
+
+def render_prompts(prompts: Sequence[Any], tokenizer: Any) -> list[str]:
+    """Prompt texts: strings as they are, conversations through the tokenizer's chat template.
+
+    A conversation that ends with an assistant message is continued rather than followed by a new turn.
+    """
+    texts = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            texts.append(prompt)
+            continue
+        continue_final = prompt[-1]["role"] == "assistant"
+        texts.append(
+            tokenizer.apply_chat_template(
+                prompt,
+                tokenize=False,
+                add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
+            )
+        )
+    return texts
+
+
+def identity_collator(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Hand the raw rows to the trainer: tokenisation happens at rollout time."""
+    return rows
+
+
+class RepeatSampler(Sampler[int]):
+    """Yield prompt indices so that rollouts hold whole, contiguous groups and are reused for several steps.
+
+    Prompts are shuffled (per epoch, from ``seed``) and cut into chunks of ``prompts_per_rollout``; each chunk is
+    yielded ``repeat_count`` times, and each prompt inside it ``num_generations`` times in a row::
+
+        RepeatSampler(4, num_generations=2, prompts_per_rollout=2, repeat_count=2, shuffle=False)
+        -> 0 0 1 1 | 0 0 1 1 | 2 2 3 3 | 2 2 3 3
+
+    A trailing chunk with fewer than ``prompts_per_rollout`` prompts is dropped so every rollout has the same size.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        num_generations: int,
+        prompts_per_rollout: int = 1,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        if prompts_per_rollout > num_prompts:
+            raise ValueError(
+                f"The dataset has {num_prompts} prompts but one rollout needs {prompts_per_rollout} "
+                "(generation_batch_size // num_generations). Use a larger dataset or a smaller batch."
+            )
+        self.num_prompts = num_prompts
+        self.num_generations = num_generations
+        self.prompts_per_rollout = prompts_per_rollout
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle differently, but reproducibly, in each epoch."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        else:
+            order = list(range(self.num_prompts))
+        num_chunks = self.num_prompts // self.prompts_per_rollout
+        for chunk_index in range(num_chunks):
+            chunk = order[chunk_index * self.prompts_per_rollout : (chunk_index + 1) * self.prompts_per_rollout]
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    yield from [index] * self.num_generations
+
+    def __len__(self) -> int:
+        num_chunks = self.num_prompts // self.prompts_per_rollout
+        return num_chunks * self.prompts_per_rollout * self.num_generations * self.repeat_count

@@ -1,0 +1,98 @@
+"""The embedded offline default: a tiny causal LM, a character tokenizer and a sparse-reward task.
+
+The task is the paper's terminal-reward one: reverse a binary string of length H. A completion earns 1 only when it is
+exactly the reversed string, so a random policy succeeds with probability 2**-H and most groups carry no signal.
+Only '0' and '1' may be emitted (:func:`binary_only_generation_kwargs`), so every completion has exactly H tokens.
+
+Everything is built locally from a config: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+#: Enough characters for English prompts, chat markup and numbers.
+PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " \n"
+#: Lines rendered as "<role>content" followed by a newline; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def build_char_tokenizer(characters: str = PRINTABLE, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per character, plus <pad>, <eos> and <unk>, and a simple chat template."""
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    for character in characters:
+        vocab.setdefault(character, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is its own piece
+    backend.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_tiny_causal_lm(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A small Qwen2-architecture model with random weights (about 0.1M parameters), sized for CPU training."""
+    import torch
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def reverse_task_dataset(length: int = 6, num_prompts: int = 4096, seed: int = 0) -> Dataset:
+    """Random binary strings as prompts ``"0110="``, with the reversed string in the ``target`` column."""
+    if length < 1:
+        raise ValueError(f"The string length must be >= 1, got {length}.")
+    rng = random.Random(seed)
+    bits = ["".join(rng.choice("01") for _ in range(length)) for _ in range(num_prompts)]
+    return Dataset.from_dict({"prompt": [b + "=" for b in bits], "target": [b[::-1] for b in bits]})
+
+
+def exact_reversal_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:
+    """1.0 when the completion is exactly the reversed string, else 0.0: a terminal, sparse reward."""
+    return [1.0 if completion.strip() == expected else 0.0 for completion, expected in zip(completions, target)]
+
+
+def binary_only_generation_kwargs(tokenizer: PreTrainedTokenizerFast) -> dict[str, list[int]]:
+    """Generation settings that let the model emit only '0' and '1' (every other token, EOS included, suppressed)."""
+    allowed = {tokenizer.convert_tokens_to_ids("0"), tokenizer.convert_tokens_to_ids("1")}
+    return {"suppress_tokens": [index for index in range(len(tokenizer)) if index not in allowed]}
+
+
+def reverse_task_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo's tokenizer: only the characters the task uses."""
+    return build_char_tokenizer("01=", chat_template=None)

@@ -1,0 +1,59 @@
+"""Rollouts with ``model.generate``: works for any causal LM, on any device, with or without adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from .base import Completions, completion_masks
+
+
+class TransformersGenerator:
+    """Samples completions with the config's sampling settings from the (unwrapped) policy."""
+
+    def __init__(
+        self,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict[str, Any] | None = None,
+    ):
+        self.eos_token_ids = list(eos_token_ids)
+        # Every sampling knob is set explicitly so nothing is inherited from a checkpoint's generation_config:
+        # the sampled distribution must be the one the trainer's log-probs describe.
+        settings: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=pad_token_id,
+            use_cache=True,
+        )
+        settings.update(generation_kwargs or {})
+        self.generation_config = GenerationConfig(**settings)
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        """One completion per prompt row; rows that repeat a prompt give independent samples."""
+        was_training = model.training
+        model.eval()
+        try:
+            output = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+            )
+        finally:
+            model.train(was_training)
+        return completion_masks(output[:, prompt_ids.size(1) :], self.eos_token_ids)

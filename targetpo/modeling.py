@@ -1,0 +1,168 @@
+"""Models and tokenizers: loading, PEFT wrapping, the frozen reference, and token log-probs from a forward pass."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def from_pretrained_or_explain(loader: Any, name_or_path: str, what: str, **kwargs: Any) -> Any:
+    """``loader.from_pretrained`` with an error that says what to do when the files cannot be found or fetched."""
+    try:
+        return loader.from_pretrained(name_or_path, **kwargs)
+    except OSError as error:
+        raise OSError(
+            f"Could not load the {what} {name_or_path!r}: it is not a local directory and could not be fetched from the "
+            "Hugging Face Hub (no network, a wrong name, or a gated repository). Pass a local path, or set HF_HUB_OFFLINE=1 "
+            f"with the files already in the cache. Cause: {error}"
+        ) from error
+
+
+def model_identifier(model: PreTrainedModel) -> str | None:
+    """The id or path a model was loaded from, or None for a model built from a config."""
+    name = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    return name or None
+
+
+def load_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer, set up for generation: left padding and a pad token (EOS when it has none)."""
+    if tokenizer is None:
+        name = model_identifier(model)
+        if name is None:
+            raise ValueError(
+                "The model was built from a config and has no tokenizer to load: pass `processing_class=` a tokenizer."
+            )
+        tokenizer = from_pretrained_or_explain(AutoTokenizer, name, "tokenizer")
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        # A multimodal processor wraps its tokenizer; rollouts only need the tokenizer.
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("The tokenizer has no EOS token: set `tokenizer.eos_token` so completions can end.")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0: rollout and training log-probs then come from the same function."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def apply_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:
+    """Wrap the model with trainable adapters; only the adapter weights will train."""
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("`peft_config` needs the peft package: pip install 'targetpo[peft]'.") from error
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"`peft_config` must be a peft.PeftConfig, got {type(peft_config).__name__}.")
+    if gradient_checkpointing:
+        # Frozen embeddings give activations without grad; checkpointed adapters then receive no gradient.
+        model.enable_input_require_grads()
+    return get_peft_model(model, peft_config)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
+    """A frozen copy of the policy, in eval mode, for the KL penalty."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def forward_accepts_position_ids(model: nn.Module) -> bool:
+    """Whether the (unwrapped) model's forward takes ``position_ids``; PEFT wrappers are looked through."""
+    if is_peft_model(model):
+        model = model.get_base_model()
+    forward = getattr(model, "forward", None)
+    try:
+        return "position_ids" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
+    """``log_softmax(logits).gather(token_ids)`` computed a few rows at a time, in float32.
+
+    Avoids materialising a float32 copy of the whole ``(B, T, V)`` logits tensor.
+    """
+    out = []
+    for rows, ids in zip(logits.split(chunk_rows), token_ids.split(chunk_rows)):
+        rows = rows.float()
+        picked = rows.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
+    """Per-position entropy of ``softmax(logits)``, a few rows at a time (a metric: no gradient)."""
+    out = []
+    for rows in logits.split(chunk_rows):
+        probs = torch.softmax(rows.float(), dim=-1)
+        out.append(torch.special.entr(probs).sum(-1))  # entr(0) = 0: suppressed (-inf) tokens add nothing
+    return torch.cat(out)
+
+
+def completion_logps(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    use_position_ids: bool = True,
+    suppressed_token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
+
+    Prompts are left-padded and completions right-padded; columns no row uses are cut before the forward pass, and
+    position ids count only attended tokens, exactly as ``generate`` numbered them (``use_position_ids=False`` for a
+    model whose forward takes none; see :func:`forward_accepts_position_ids`). Logits are divided by the sampling
+    temperature, and tokens that generation suppresses get no probability, so the log-probs are those of the
+    distribution that was sampled from.
+    """
+    completion_length = completion_ids.size(1)
+    first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
+    used_completion = completion_attention_mask.any(dim=0)
+    last_completion_column = int(used_completion.nonzero().max()) + 1 if used_completion.any() else 1
+    input_ids = torch.cat([prompt_ids[:, first_prompt_column:], completion_ids[:, :last_completion_column]], dim=1)
+    attention_mask = torch.cat(
+        [prompt_mask[:, first_prompt_column:], completion_attention_mask[:, :last_completion_column]], dim=1
+    ).long()
+
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if use_position_ids:
+        inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    # Logits for the positions that predict completion tokens only: the prompt's logits are never needed.
+    logits = model(**inputs, logits_to_keep=last_completion_column + 1, use_cache=False).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
+        logits = logits.index_fill(-1, suppressed_token_ids.to(logits.device), float("-inf"))
+
+    kept_ids = completion_ids[:, :last_completion_column]
+    logps = selective_log_softmax(logits, kept_ids)
+    entropies = entropy_from_logits(logits) if with_entropy else None
+    # Put back the cut right-hand columns (they are masked everywhere) so shapes match the completion tensors.
+    pad = completion_length - last_completion_column
+    if pad > 0:
+        logps = nn.functional.pad(logps, (0, pad))
+        entropies = nn.functional.pad(entropies, (0, pad)) if entropies is not None else None
+    return logps, entropies

@@ -1,0 +1,195 @@
+"""Reward functions and reward models, turned into one ``(N, F)`` tensor of scores.
+
+A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...)``
+and returns one float, or ``None`` for "this function does not score this sample", per completion. A reward model is
+a ``PreTrainedModel`` for sequence classification (or its id) whose first logit scores prompt + completion.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .modeling import from_pretrained_or_explain, model_identifier
+
+RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
+
+
+def reward_name(func: Any) -> str:
+    """A short, readable name for logs: the function's name or the model's id."""
+    if isinstance(func, PreTrainedModel):
+        return (model_identifier(func) or type(func).__name__).rstrip("/").split("/")[-1]
+    if isinstance(func, functools.partial):
+        return reward_name(func.func)
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _as_score(value: Any, name: str, index: int) -> float:
+    """One returned value as a float (NaN for None), or a ValueError that names the function."""
+    if value is None:
+        return math.nan
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # 0-d torch or numpy values
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"Reward function '{name}' returned {value!r} ({type(value).__name__}) for completion {index}; each entry "
+            "must be a number, or None when the function does not score that completion."
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(
+            f"Reward function '{name}' returned {number} for completion {index}; scores must be finite (return None "
+            "to leave a completion unscored)."
+        )
+    return number
+
+
+def check_reward_output(output: Any, name: str, expected: int) -> list[float]:
+    """Validate what a reward function returned and turn it into floats, NaN standing for None."""
+    if getattr(output, "ndim", None) == 1 and hasattr(output, "tolist"):  # 1-D torch or numpy arrays
+        output = output.tolist()
+    if isinstance(output, (str, bytes)) or not isinstance(output, Sequence):
+        raise ValueError(
+            f"Reward function '{name}' must return a list with one score per completion, got "
+            f"{type(output).__name__}."
+        )
+    if len(output) != expected:
+        raise ValueError(
+            f"Reward function '{name}' returned {len(output)} scores for {expected} completions; it must return "
+            "exactly one (a number or None) per completion."
+        )
+    return [_as_score(value, name, index) for index, value in enumerate(output)]
+
+
+class RewardScorer:
+    """Holds the reward functions and models with their weights, and scores a batch of completions."""
+
+    def __init__(
+        self,
+        reward_funcs: RewardFunc | Sequence[RewardFunc],
+        reward_processing_classes: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase | None] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        model_init_kwargs: dict[str, Any] | None = None,
+    ):
+        if reward_funcs is None or (isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs):
+            raise ValueError("`reward_funcs` needs at least one reward function or reward model.")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) else [reward_funcs]
+        if reward_processing_classes is None:
+            tokenizers: list[Any] = [None] * len(funcs)
+        elif isinstance(reward_processing_classes, Sequence):
+            tokenizers = list(reward_processing_classes)
+        else:
+            tokenizers = [reward_processing_classes]
+        if len(tokenizers) != len(funcs):
+            raise ValueError(
+                f"`reward_processing_classes` has {len(tokenizers)} entries for {len(funcs)} reward functions; give one "
+                "per reward function (None for plain functions)."
+            )
+
+        if reward_weights is None:
+            reward_weights = [1.0] * len(funcs)
+        if len(reward_weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} reward functions; give "
+                "one weight per reward function."
+            )
+        self.funcs: list[Any] = []
+        self.tokenizers: list[Any] = []
+        for func, tokenizer in zip(funcs, tokenizers):
+            if isinstance(func, str):
+                func = from_pretrained_or_explain(
+                    AutoModelForSequenceClassification, func, "reward model", num_labels=1, **(model_init_kwargs or {})
+                )
+            if isinstance(func, PreTrainedModel):
+                tokenizer = self._reward_tokenizer(func, tokenizer)
+                func.requires_grad_(False)
+                func.eval()
+            elif not callable(func):
+                raise TypeError(
+                    f"Each reward function must be a callable, a PreTrainedModel or a model id; got {type(func).__name__}."
+                )
+            self.funcs.append(func)
+            self.tokenizers.append(tokenizer)
+        self.names = [reward_name(func) for func in self.funcs]
+        # Fixed here: once prepared for a distributed engine a reward model may no longer be a PreTrainedModel.
+        self.is_model = [isinstance(func, PreTrainedModel) for func in self.funcs]
+
+        self.weights = torch.tensor([float(weight) for weight in reward_weights], dtype=torch.float32)
+
+    @staticmethod
+    def _reward_tokenizer(model: PreTrainedModel, tokenizer: Any) -> PreTrainedTokenizerBase:
+        """The reward model's tokenizer, right-padded, with the pad id the classifier uses to find the last token."""
+        if tokenizer is None:
+            name = model_identifier(model)
+            if name is None:
+                raise ValueError(
+                    f"Reward model {type(model).__name__} was built from a config: pass its tokenizer in "
+                    "`reward_processing_classes`."
+                )
+            tokenizer = from_pretrained_or_explain(AutoTokenizer, name, "reward model tokenizer")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        return tokenizer
+
+    def prepare_models(self, prepare: Callable[[PreTrainedModel], Any]) -> None:
+        """Place every reward model with ``prepare`` (e.g. the accelerator's ``prepare_model``)."""
+        self.funcs = [prepare(func) if is_model else func for func, is_model in zip(self.funcs, self.is_model)]
+
+    def score(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        columns: dict[str, list[Any]],
+        trainer_state: Any,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Scores of every completion under every reward function: ``(N, F)`` float32, NaN where one returned None."""
+        scores = torch.full((len(prompts), len(self.funcs)), math.nan, dtype=torch.float32)
+        for index, (func, name) in enumerate(zip(self.funcs, self.names)):
+            if self.is_model[index]:
+                scores[:, index] = self._score_with_model(func, self.tokenizers[index], prompts, completions, device)
+                continue
+            try:
+                output = func(
+                    prompts=prompts,
+                    completions=completions,
+                    completion_ids=completion_ids,
+                    **columns,
+                    trainer_state=trainer_state,
+                )
+            except Exception as error:
+                raise ValueError(f"Reward function '{name}' raised {type(error).__name__}: {error}") from error
+            scores[:, index] = torch.tensor(check_reward_output(output, name, len(prompts)))
+        return scores.to(device)
+
+    @torch.no_grad()
+    def _score_with_model(
+        self,
+        model: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        prompts: list[Any],
+        completions: list[Any],
+        device: torch.device,
+    ) -> torch.Tensor:
+        if isinstance(prompts[0], str):
+            texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
+            add_special_tokens = True
+        else:
+            texts = [
+                tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+                for prompt, completion in zip(prompts, completions)
+            ]
+            add_special_tokens = False  # the chat template already wrote the special tokens
+        encoded = tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=add_special_tokens
+        ).to(device)
+        return model(**encoded).logits[:, 0].float().cpu()

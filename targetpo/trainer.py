@@ -1,0 +1,560 @@
+"""TargetPOTrainer: sample a group of completions per prompt, score them, fit the policy to the TPO target.
+
+One training micro-step reads as:
+
+1. ``_prepare_inputs`` hands out the next step batch of the current rollout, making a new rollout when the last one
+   has served ``steps_per_generation * num_iterations`` micro-steps;
+2. a rollout (``_rollout``) generates, scores, whitens the scores into ``u`` and, where the weights will have moved
+   before the rollout is used, records the old log-probs and builds the target ``q``;
+3. ``compute_loss`` computes the policy's sequence log-probs, builds ``q`` from them (detached) if the rollout did
+   not, and returns the cross-entropy to ``q`` (plus ``beta * KL``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+
+from . import functional as F
+from .config import TargetPOConfig
+from .data import RepeatSampler, identity_collator, is_conversational, render_prompts, validate_prompt_dataset
+from .generation import Completions, TransformersGenerator
+from .modeling import (
+    apply_peft,
+    completion_logps,
+    disable_dropout,
+    forward_accepts_position_ids,
+    from_pretrained_or_explain,
+    frozen_reference,
+    is_peft_model,
+    load_tokenizer,
+    model_identifier,
+)
+from .reporting import RolloutTable, print_completions_table
+from .rewards import RewardFunc, RewardScorer
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, Any]
+
+#: Reward functions receive these by name; a dataset column may not use them.
+RESERVED_REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+
+
+def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrainedModel:
+    """The policy: loaded from an id or path with ``model_init_kwargs``, or the given model as it is."""
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {})
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(kwargs.get(key), str) and kwargs[key] != "auto":
+                kwargs[key] = getattr(torch, kwargs[key])
+        return from_pretrained_or_explain(AutoModelForCausalLM, model, "model", **kwargs)
+    if args.model_init_kwargs:
+        raise ValueError(
+            "model_init_kwargs only applies when `model` is an id or path; the model passed is already built."
+        )
+    if not isinstance(model, (PreTrainedModel, nn.Module)) or not hasattr(model, "generate"):
+        raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel for causal LM, got {type(model).__name__}.")
+    return model
+
+
+class TargetPOTrainer(Trainer):
+    """Fine-tune a causal language model with Target Policy Optimization.
+
+    Args:
+        model: a model id or local path, or a ``PreTrainedModel`` for causal language modelling.
+        reward_funcs: one or several reward functions (``f(prompts, completions, completion_ids, **kwargs)``),
+            reward models (``PreTrainedModel`` for sequence classification) or reward-model ids.
+        args: a :class:`~targetpo.TargetPOConfig`.
+        train_dataset, eval_dataset: prompt-only datasets with a ``prompt`` column (string or chat messages).
+        processing_class: the policy's tokenizer; loaded from the model's id when omitted.
+        reward_processing_classes: one tokenizer per reward function (None for plain functions).
+        callbacks, optimizers: as for ``transformers.Trainer``.
+        peft_config: a ``peft.PeftConfig``; only the adapters train and the reference is the adapter-free base.
+    """
+
+    # The loss is a per-micro-batch mean: the Trainer divides it by the gradient-accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    get_tpo_scores = staticmethod(F.tpo_scores)
+    get_tpo_targets = staticmethod(F.tpo_targets)
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: RewardFunc | Sequence[RewardFunc],
+        args: TargetPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase | None] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model_identifier(model) or "model"
+            args = TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
+        if not isinstance(args, TargetPOConfig):
+            raise TypeError(
+                f"`args` must be a TargetPOConfig, got {type(args).__name__}. For the clipped-surrogate baseline use "
+                "TargetPOConfig(loss_type='grpo')."
+            )
+        if isinstance(eval_dataset, dict):
+            raise ValueError("A dict of evaluation datasets is not supported: pass one dataset as `eval_dataset`.")
+        if eval_dataset is not None and (args.per_device_eval_batch_size * args.world_size) % args.num_generations:
+            raise ValueError(
+                f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
+                f"({args.per_device_eval_batch_size}) x {args.world_size} processes must be a multiple of "
+                f"num_generations ({args.num_generations})."
+            )
+
+        # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
+        self.reward_scorer = RewardScorer(
+            reward_funcs, reward_processing_classes, args.reward_weights, args.model_init_kwargs
+        )
+        policy = _load_policy(model, args)
+        tokenizer = load_tokenizer(policy, processing_class)
+        validate_prompt_dataset(train_dataset, "train", tokenizer)
+        validate_prompt_dataset(eval_dataset, "eval", tokenizer)
+        for dataset in (train_dataset, eval_dataset):
+            clashes = RESERVED_REWARD_ARGUMENTS & set(getattr(dataset, "column_names", None) or [])
+            if clashes:
+                raise ValueError(
+                    f"Dataset column(s) {sorted(clashes)} would collide with the reward-function arguments of the same "
+                    "name; rename them (e.g. `dataset.rename_column(...)`)."
+                )
+        if train_dataset is not None and len(train_dataset) < args.generation_batch_size // args.num_generations:
+            raise ValueError(
+                f"The train dataset has {len(train_dataset)} prompts but one rollout needs "
+                f"generation_batch_size // num_generations = {args.generation_batch_size // args.num_generations}."
+            )
+
+        if peft_config is not None:
+            policy = apply_peft(policy, peft_config, args.gradient_checkpointing)
+        if args.disable_dropout:
+            disable_dropout(policy)
+        # Under PEFT the reference is the same network with its adapters switched off: no copy is needed.
+        self.ref_model = frozen_reference(policy) if args.beta > 0 and not is_peft_model(policy) else None
+
+        super().__init__(
+            model=policy,
+            args=args,
+            data_collator=identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.model_accepts_loss_kwargs = False
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+        self.reward_scorer.prepare_models(lambda rm: self.accelerator.prepare_model(rm, evaluation_mode=True))
+
+        generation_config = getattr(self.accelerator.unwrap_model(self.model), "generation_config", None)
+        eos_ids = {tokenizer.eos_token_id}
+        model_eos = getattr(generation_config, "eos_token_id", None)
+        eos_ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos] if model_eos is not None else [])
+        self.generator = TransformersGenerator(
+            max_new_tokens=args.max_completion_length,
+            eos_token_ids=sorted(eos_ids),
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            generation_kwargs=args.generation_kwargs,
+        )
+        self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
+        # Tokens generation never samples get no probability in the trainer's log-probs either.
+        suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
+        self._suppressed_token_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=self.accelerator.device)
+
+        # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
+        # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
+        self._generate_every = args.steps_per_generation * args.num_iterations
+        self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0
+        self._buffer: list[Batch] | None = None
+        self._micro_step: int | None = None
+        self._rollout_count = 0
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._completion_table: RolloutTable | None = None
+        self._warned_unscored = False
+
+    # ------------------------------------------------------------------------------------------------ data
+    def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(
+            len(dataset),
+            num_generations=self.args.num_generations,
+            prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self._generate_every,
+            shuffle=True,
+            seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
+        )
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
+        return RepeatSampler(len(eval_dataset), num_generations=self.args.num_generations, shuffle=False)
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("TargetPOTrainer: training requires a train_dataset.")
+        # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
+        # serves, and `_prepare_inputs` hands out one step batch at a time.
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def train(self, *args: Any, **kwargs: Any):
+        self._buffer = None
+        self._micro_step = None  # set from the (possibly resumed) global step at the first micro-step
+        return super().train(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    def _prepare_inputs(self, rows: list[dict[str, Any]]) -> Batch:
+        if not self.model.training:
+            return self._rollout(rows, mode="eval")
+        if self._micro_step is None:
+            self._micro_step = self.state.global_step * self.args.gradient_accumulation_steps
+        if self._buffer is None or self._micro_step % self._generate_every == 0:
+            rollout = self._rollout(rows, mode="train")
+            self._buffer = _split_rows(rollout, self.args.per_device_train_batch_size)
+        batch = self._buffer[self._micro_step % self.args.steps_per_generation]
+        self._micro_step += 1
+        return batch
+
+    @torch.no_grad()
+    def _rollout(self, rows: list[dict[str, Any]], mode: str) -> Batch:
+        """Generate, score and whiten one rollout; record old/reference log-probs and q where they are needed."""
+        device = self.accelerator.device
+        args = self.args
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+        with self._generation_model() as generation_model:
+            completions = self.generator.generate(generation_model, prompt_ids, prompt_mask)
+        completion_mask = completions.attention_mask.clone()
+        if args.mask_truncated_completions:
+            completion_mask[completions.truncated] = 0
+        valid = completion_mask.any(dim=1)
+
+        completion_texts, completion_id_lists = self._decode(completions)
+        reward_completions = self._as_reward_completions(prompts, completion_texts)
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        scores_per_func = self.reward_scorer.score(
+            prompts, reward_completions, completion_id_lists, columns, self.state, device
+        )
+
+        # Whitening needs whole groups, which may span processes: score over the gathered rollout, keep our slice.
+        local = self._local_slice(len(rows))
+        scores_per_func_all = self.accelerator.gather(scores_per_func)
+        valid_all = self.accelerator.gather(valid)
+        scores_all = self._combine_rewards(scores_per_func_all)
+        advantages_all = F.tpo_scores(scores_all, args.num_generations, valid_all)
+
+        batch: Batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completions.ids,
+            "completion_attention_mask": completions.attention_mask,
+            "completion_mask": completion_mask,
+            "valid": valid,
+            "scores": scores_all[local],
+            "advantages": advantages_all[local],
+            "sample_index": torch.arange(local.start, local.stop, device=device),
+        }
+        if mode == "train" and self._needs_old_logps:
+            batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
+        if args.beta > 0:
+            batch["ref_per_token_logps"] = self._reference_logps(batch)
+
+        self._rollout_count += 1
+        batch["rollout"] = self._rollout_count
+        if mode == "train" and args.log_completions:
+            self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all)
+        if args.loss_type == "tpo" and "old_per_token_logps" in batch:
+            old_sequence_logps = F.sequence_logps(
+                batch["old_per_token_logps"], completion_mask, args.tpo_length_normalize_logps
+            )
+            targets_all = F.tpo_targets(
+                self.accelerator.gather(old_sequence_logps),
+                advantages_all,
+                args.num_generations,
+                valid_all,
+                args.tpo_target_temperature,
+            )
+            batch["targets"] = targets_all[local]
+            self._record_targets(batch, mode)
+        self._record_rollout_metrics(completions, scores_per_func_all, scores_all, valid_all, mode)
+        return batch
+
+    def _tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and mask; long prompts keep their last ``max_prompt_length`` tokens."""
+        conversational = not isinstance(prompts[0], str)
+        encoded = self.processing_class(
+            text=render_prompts(prompts, self.processing_class),
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=not conversational,  # a chat template writes its own special tokens
+        )
+        prompt_ids = encoded["input_ids"].to(self.accelerator.device)
+        prompt_mask = encoded["attention_mask"].to(self.accelerator.device)
+        if self.args.max_prompt_length is not None:
+            prompt_ids = prompt_ids[:, -self.args.max_prompt_length :]
+            prompt_mask = prompt_mask[:, -self.args.max_prompt_length :]
+        return prompt_ids, prompt_mask
+
+    @contextlib.contextmanager
+    def _generation_model(self):
+        """The policy as ``generate`` needs it: unwrapped from the distributed wrapper."""
+        yield self.accelerator.unwrap_model(self.model)
+
+    def _decode(self, completions: Completions) -> tuple[list[str], list[list[int]]]:
+        """Completion texts and token ids, each cut after its first EOS."""
+        lengths = completions.lengths.tolist()
+        id_lists = [row[:length] for row, length in zip(completions.ids.tolist(), lengths)]
+        texts = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
+        return texts, id_lists
+
+    @staticmethod
+    def _as_reward_completions(prompts: list[Any], texts: list[str]) -> list[Any]:
+        """Strings for standard prompts; one assistant message for conversations (continuing a final one)."""
+        if isinstance(prompts[0], str):
+            return texts
+        completions = []
+        for prompt, text in zip(prompts, texts):
+            prefix = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
+            completions.append([{"role": "assistant", "content": prefix + text}])
+        return completions
+
+    def _combine_rewards(self, scores_per_func: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over reward functions; functions that returned None for a sample are left out."""
+        unscored = torch.isnan(scores_per_func).all(dim=1)
+        if unscored.any() and not self._warned_unscored:
+            warnings.warn(
+                f"{int(unscored.sum())} completions were scored by no reward function (all returned None); they get a "
+                "reward of 0. Make sure every sample is scored by at least one function.",
+                stacklevel=2,
+            )
+            self._warned_unscored = True
+        weights = self.reward_scorer.weights.to(scores_per_func.device)
+        return (scores_per_func * weights).nansum(dim=1)
+
+    def _local_slice(self, local_size: int) -> slice:
+        start = self.accelerator.process_index * local_size
+        return slice(start, start + local_size)
+
+    def _batched_logps(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Per-token completion log-probs of a whole rollout, a training micro-batch at a time."""
+        chunk = self.args.per_device_train_batch_size
+        parts = []
+        for start in range(0, batch["completion_ids"].size(0), chunk):
+            part = {key: value[start : start + chunk] for key, value in batch.items() if torch.is_tensor(value)}
+            logps, _ = completion_logps(
+                model,
+                part["prompt_ids"],
+                part["prompt_mask"],
+                part["completion_ids"],
+                part["completion_attention_mask"],
+                temperature=self.args.temperature,
+                use_position_ids=self._use_position_ids,
+                suppressed_token_ids=self._suppressed_token_ids,
+            )
+            parts.append(logps)
+        return torch.cat(parts)
+
+    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._batched_logps(self.ref_model, batch)
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
+            return self._batched_logps(self.model, batch)
+
+    # ------------------------------------------------------------------------------------------------ loss
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: Batch,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        if return_outputs:
+            raise ValueError("TargetPOTrainer.compute_loss does not return model outputs.")
+        mode = "train" if model.training else "eval"
+        args = self.args
+        per_token_logps, entropies = completion_logps(
+            model,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            inputs["completion_attention_mask"],
+            temperature=args.temperature,
+            with_entropy=True,
+            use_position_ids=self._use_position_ids,
+            suppressed_token_ids=self._suppressed_token_ids,
+        )
+        mask = inputs["completion_mask"]
+        if args.loss_type == "tpo":
+            loss = self._target_loss(per_token_logps, inputs, mode)
+        else:
+            old = inputs.get("old_per_token_logps", per_token_logps.detach())
+            loss = F.grpo_loss(per_token_logps, old, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
+        if args.beta > 0:
+            kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask)
+            loss = loss + args.beta * kl
+            self._log_mean(mode, "kl", kl.detach())
+        self._log_token_mean(mode, "entropy", entropies, mask)
+        if not torch.isfinite(loss):
+            # Stop before backward: a non-finite loss would put NaN into every weight.
+            raise FloatingPointError(
+                f"The loss is {loss.item()} at step {self.state.global_step}. The model's log-probs are no longer "
+                "finite; lower the learning rate, enable gradient clipping (max_grad_norm) or use bf16/fp32 instead "
+                "of fp16."
+            )
+        return loss
+
+    def _target_loss(self, per_token_logps: torch.Tensor, inputs: Batch, mode: str) -> torch.Tensor:
+        """Cross-entropy to q over whole groups, gathering the step batch when its groups span processes."""
+        args = self.args
+        sequence_logps = F.sequence_logps(per_token_logps, inputs["completion_mask"], args.tpo_length_normalize_logps)
+        span = self._groups_span_processes(mode)
+        gather = self.accelerator.gather if span else (lambda tensor: tensor)
+        if span:
+            # Autograd-aware gather: each completion's gradient flows back to the process that owns it.
+            sequence_logps_all = torch.cat(torch.distributed.nn.functional.all_gather(sequence_logps))
+        else:
+            sequence_logps_all = sequence_logps
+        valid_all = gather(inputs["valid"])
+        if inputs.get("targets") is None:
+            targets_all = F.tpo_targets(
+                sequence_logps_all.detach(),
+                gather(inputs["advantages"]),
+                args.num_generations,
+                valid_all,
+                args.tpo_target_temperature,
+            )
+            # `inputs` is the rollout buffer's own entry: q is kept frozen for every later use of this step batch.
+            inputs["targets"] = targets_all[self._local_slice(len(sequence_logps))] if span else targets_all
+            self._record_targets(inputs, mode)
+        else:
+            targets_all = gather(inputs["targets"])
+        return F.tpo_loss(sequence_logps_all, targets_all, args.num_generations, valid_all)
+
+    def _groups_span_processes(self, mode: str) -> bool:
+        per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        return self.accelerator.num_processes > 1 and per_device % self.args.num_generations != 0
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # ------------------------------------------------------------------------------------------------ metrics
+    def _log_mean(self, mode: str, name: str, value: torch.Tensor) -> None:
+        self._metrics[mode][name].append(self.accelerator.gather(value.reshape(1).float()).mean().item())
+
+    def _log_token_mean(self, mode: str, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        totals = torch.stack([(values * mask).sum(), mask.sum()]).float()
+        total, count = self.accelerator.gather(totals.unsqueeze(0)).sum(dim=0).tolist()
+        if count > 0:
+            self._metrics[mode][name].append(total / count)
+
+    def _record_rollout_metrics(
+        self,
+        completions: Completions,
+        scores_per_func_all: torch.Tensor,
+        scores_all: torch.Tensor,
+        valid_all: torch.Tensor,
+        mode: str,
+    ) -> None:
+        metrics = self._metrics[mode]
+        lengths = self.accelerator.gather(completions.lengths).float()
+        truncated = self.accelerator.gather(completions.truncated).float()
+        metrics["completions/mean_length"].append(lengths.mean().item())
+        metrics["completions/min_length"].append(lengths.min().item())
+        metrics["completions/max_length"].append(lengths.max().item())
+        metrics["completions/clipped_ratio"].append(truncated.mean().item())
+        metrics["completions/valid_fraction"].append(valid_all.float().mean().item())
+        for index, name in enumerate(self.reward_scorer.names):
+            column = scores_per_func_all[:, index]
+            scored = column[~torch.isnan(column)]
+            if scored.numel() > 0:
+                metrics[f"rewards/{name}/mean"].append(scored.mean().item())
+                metrics[f"rewards/{name}/std"].append(scored.std(unbiased=False).item())
+        grouped = scores_all.view(-1, self.args.num_generations)
+        metrics["reward"].append(scores_all.mean().item())
+        metrics["reward_std"].append(grouped.std(dim=1, unbiased=False).mean().item())
+        informative = F.informative_groups(scores_all, self.args.num_generations, valid_all)
+        metrics["tpo/informative_group_fraction"].append(informative.float().mean().item())
+
+    def _record_targets(self, batch: Batch, mode: str) -> None:
+        """The paper's diagnostics of a freshly built q over all processes, and q itself for the completions table."""
+        targets, scores, valid, sample_index = (
+            self.accelerator.gather(batch[key]) for key in ("targets", "scores", "valid", "sample_index")
+        )
+        diagnostics = F.tpo_target_diagnostics(targets, scores, self.args.num_generations, valid)
+        for name in ("target_entropy", "best_completion_target_mass"):  # informative fraction: at rollout
+            value = diagnostics[name].item()
+            if not math.isnan(value):
+                self._metrics[mode][f"tpo/{name}"].append(value)
+        table = self._completion_table
+        if mode == "train" and table is not None and table.rollout == batch["rollout"]:
+            table.fill_targets(sample_index.tolist(), targets.tolist())
+
+    def _record_completion_table(
+        self, prompts: list[Any], completions: list[str], scores_per_func: torch.Tensor, scores_all: torch.Tensor
+    ) -> None:
+        prompt_texts = gather_object(render_prompts(prompts, self.processing_class))
+        completion_texts = gather_object(completions)
+        per_func = self.accelerator.gather(scores_per_func).cpu()
+        self._completion_table = RolloutTable(
+            step=self.state.global_step,
+            prompts=prompt_texts,
+            completions=completion_texts,
+            rewards={name: per_func[:, index].tolist() for index, name in enumerate(self.reward_scorer.names)},
+            total_rewards=scores_all.tolist(),
+            rollout=self._rollout_count,
+        )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        averaged = {name: sum(values) / len(values) for name, values in self._metrics[mode].items() if values}
+        if mode == "eval":
+            averaged = {f"eval_{name}": value for name, value in averaged.items()}
+        logs.update(averaged)  # in place: `evaluate()` returns this same dict
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+        if (
+            mode == "train"
+            and self.args.log_completions
+            and self._completion_table is not None
+            and self.accelerator.is_main_process
+        ):
+            print_completions_table(self._completion_table, self.args.num_completions_to_print)
+
+
+def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
+    """Cut a rollout into step batches of ``rows_per_step`` rows; whole groups stay together (rows are contiguous)."""
+    total = batch["completion_ids"].size(0)
+    steps = []
+    for start in range(0, total, rows_per_step):
+        steps.append(
+            {key: value[start : start + rows_per_step] if torch.is_tensor(value) else value for key, value in batch.items()}
+        )
+    return steps

@@ -1,0 +1,107 @@
+"""Every configuration check, with its message, and command-line parsing."""
+
+import pytest
+from transformers import HfArgumentParser
+
+from targetpo import GRPOConfig, TargetPOConfig
+
+
+def config(tmp_path, **kwargs):
+    kwargs.setdefault("report_to", "none")
+    return TargetPOConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def test_defaults_suit_rl(tmp_path):
+    args = config(tmp_path)
+    assert isinstance(args, GRPOConfig)
+    assert args.loss_type == "tpo" and args.tpo_target_temperature == 1.0 and args.tpo_length_normalize_logps
+    assert args.remove_unused_columns is False
+    assert args.steps_per_generation == 1
+    assert args.generation_batch_size == args.per_device_train_batch_size == 8
+    assert args.num_generations == 8 and args.num_iterations == 1 and args.beta == 0.0
+    assert args.learning_rate == 1e-6
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none").loss_type == "grpo"
+
+
+def test_generation_batch_size_and_steps_per_generation_derive_each_other(tmp_path):
+    args = config(tmp_path, per_device_train_batch_size=8, num_generations=4, steps_per_generation=3)
+    assert args.generation_batch_size == 24
+    args = config(tmp_path, per_device_train_batch_size=8, num_generations=4, generation_batch_size=32)
+    assert args.steps_per_generation == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_generations=1, per_device_train_batch_size=8), "num_generations must be at least 2"),
+        (dict(tpo_target_temperature=0.0), "tpo_target_temperature \\(eta\\) must be > 0"),
+        (dict(tpo_target_temperature=-1.0), "tpo_target_temperature \\(eta\\) must be > 0"),
+        (dict(per_device_train_batch_size=6, num_generations=4), "whole prompt groups"),
+        (dict(generation_batch_size=16, steps_per_generation=2), "either generation_batch_size or steps_per_generation"),
+        (dict(generation_batch_size=12, per_device_train_batch_size=8), "positive multiple of"),
+        (dict(num_iterations=0), "num_iterations must be >= 1"),
+        (dict(max_completion_length=0), "max_completion_length must be >= 1"),
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(min_p=1.5), "min_p must be in"),
+        (dict(beta=-0.1), "beta must be >= 0"),
+        (dict(loss_type="dpo"), "loss_type must be one of"),
+        (dict(generation_kwargs="{not json"), "generation_kwargs` must be a dict or a JSON object"),
+        (dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=6, num_generations=4), "Evaluation batches"),
+        (dict(num_completions_to_print=0), "num_completions_to_print must be >= 1"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_message(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **kwargs)
+
+
+def test_whole_groups_message_explains_the_numbers(tmp_path):
+    with pytest.raises(ValueError) as error:
+        config(tmp_path, per_device_train_batch_size=6, num_generations=4)
+    assert "generation_batch_size // steps_per_generation = 6" in str(error.value)
+    assert "num_generations=4" in str(error.value)
+
+
+@pytest.fixture
+def two_processes(monkeypatch):
+    """Pretend to run on two processes: no real process group is needed to check batch arithmetic."""
+    monkeypatch.setattr(TargetPOConfig, "world_size", property(lambda self: 2))
+
+
+def test_groups_may_span_processes_with_one_step_per_generation(tmp_path, two_processes):
+    args = config(tmp_path, per_device_train_batch_size=2, num_generations=4)  # 2 x 2 = one group over 2 ranks
+    assert args.generation_batch_size == 4 and args.steps_per_generation == 1
+
+
+def test_several_steps_per_generation_need_whole_groups_per_process(tmp_path, two_processes):
+    with pytest.raises(ValueError, match="per_device_train_batch_size \\(2\\) must be a multiple of num_generations \\(4\\)"):
+        config(tmp_path, per_device_train_batch_size=2, num_generations=4, steps_per_generation=2)
+    args = config(tmp_path, per_device_train_batch_size=4, num_generations=4, steps_per_generation=2)
+    assert args.generation_batch_size == 16
+
+
+def test_whole_groups_check_counts_every_process(tmp_path, two_processes):
+    with pytest.raises(ValueError, match="whole prompt groups"):
+        config(tmp_path, per_device_train_batch_size=3, num_generations=4)  # 3 x 2 = 6 per step
+
+
+def test_command_line_parsing(tmp_path):
+    parser = HfArgumentParser(TargetPOConfig)
+    (args,) = parser.parse_args_into_dataclasses(
+        [
+            "--output_dir", str(tmp_path), "--report_to", "none",
+            "--tpo_target_temperature", "0.5", "--no_tpo_length_normalize_logps",
+            "--num_generations", "4", "--per_device_train_batch_size", "8", "--steps_per_generation", "2",
+            "--generation_kwargs", '{"suppress_tokens": [1, 2]}', "--reward_weights", "1.0", "0.5",
+            "--model_init_kwargs", '{"dtype": "float32"}', "--loss_type", "grpo",
+        ]
+    )
+    assert args.tpo_target_temperature == 0.5 and args.tpo_length_normalize_logps is False
+    assert args.generation_kwargs == {"suppress_tokens": [1, 2]}
+    assert args.model_init_kwargs == {"dtype": "float32"}
+    assert args.reward_weights == [1.0, 0.5]
+    assert args.generation_batch_size == 16 and args.loss_type == "grpo"
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--loss_type", "dpo"])

@@ -1,0 +1,147 @@
+"""Datasets, the repeat sampler, reward scoring and validation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import count_letters_reward
+from datasets import Dataset, IterableDataset
+from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+from targetpo.data import RepeatSampler, is_conversational, render_prompts, validate_prompt_dataset
+from targetpo.rewards import RewardScorer, check_reward_output
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+def test_repeat_sampler_order_without_shuffle():
+    sampler = RepeatSampler(4, num_generations=2, prompts_per_rollout=2, repeat_count=2, shuffle=False)
+    assert list(sampler) == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
+    assert len(sampler) == 16
+
+
+def test_repeat_sampler_shuffles_whole_groups_reproducibly():
+    sampler = RepeatSampler(10, num_generations=3, prompts_per_rollout=3, repeat_count=2, seed=7)
+    order = list(sampler)
+    assert len(order) == len(sampler) == 3 * 3 * 3 * 2  # the 10th prompt does not fill a rollout
+    rollouts = [order[i : i + 18] for i in range(0, len(order), 18)]
+    for rollout in rollouts:
+        assert rollout[:9] == rollout[9:]  # each rollout is repeated
+        assert all(rollout[i] == rollout[i + 1] == rollout[i + 2] for i in range(0, 9, 3))  # contiguous groups
+    assert order == list(RepeatSampler(10, 3, 3, 2, seed=7))
+    sampler.set_epoch(1)
+    assert list(sampler) != order
+
+
+def test_repeat_sampler_refuses_a_rollout_larger_than_the_dataset():
+    with pytest.raises(ValueError, match="one rollout needs 5"):
+        RepeatSampler(4, num_generations=2, prompts_per_rollout=5)
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+def test_dataset_checks(tokenizer):
+    validate_prompt_dataset(Dataset.from_dict({"prompt": ["a"]}), "train", tokenizer)
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        validate_prompt_dataset(Dataset.from_dict({"text": ["a"]}), "train", tokenizer)
+    with pytest.raises(ValueError, match="empty"):
+        validate_prompt_dataset(Dataset.from_dict({"prompt": []}), "eval", tokenizer)
+    with pytest.raises(ValueError, match="must be a string or a list"):
+        validate_prompt_dataset(Dataset.from_dict({"prompt": [3]}), "train", tokenizer)
+    streaming = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
+    with pytest.raises(ValueError, match="map-style"):
+        validate_prompt_dataset(streaming, "train", tokenizer)
+
+
+def test_render_prompts(tokenizer):
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert is_conversational({"prompt": conversation}) and not is_conversational({"prompt": "Hi"})
+    texts = render_prompts(["plain", conversation, conversation + [{"role": "assistant", "content": "Sure,"}]], tokenizer)
+    assert texts[0] == "plain"
+    assert texts[1] == "<user>Hi\n<assistant>"
+    assert texts[2] == "<user>Hi\n<assistant>Sure,"  # a final assistant message is continued
+
+
+# ------------------------------------------------------------------------------------------------ rewards
+def test_scorer_passes_columns_and_state_and_weights_none():
+    calls = {}
+
+    def first(prompts, completions, completion_ids, label, trainer_state, **kwargs):
+        calls.update(label=label, state=trainer_state, ids=completion_ids)
+        return [1.0, None, 3]
+
+    def second(completions, **kwargs):
+        return np.array([0.5, 0.5, 0.5])  # numpy results are accepted too
+
+    scorer = RewardScorer([first, second], reward_weights=[2.0, 1.0])
+    scores = scorer.score(["p"] * 3, ["a", "b", "c"], [[1], [2], [3]], {"label": [7, 8, 9]}, "STATE", torch.device("cpu"))
+    assert calls == {"label": [7, 8, 9], "state": "STATE", "ids": [[1], [2], [3]]}
+    assert scores.shape == (3, 2) and math.isnan(scores[1, 0].item())
+    assert scorer.names == ["first", "second"]
+    assert torch.equal(scorer.weights, torch.tensor([2.0, 1.0]))
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ([1.0], "returned 1 scores for 2 completions"),
+        ("ab", "must return a list"),
+        ([1.0, "x"], "returned 'x' \\(str\\) for completion 1"),
+        ([1.0, float("inf")], "returned inf for completion 1"),
+        ([1.0, [2.0]], "returned \\[2.0\\] \\(list\\)"),
+    ],
+)
+def test_bad_outputs_name_the_function(output, message):
+    with pytest.raises(ValueError, match=f"Reward function 'judge' {message}"):
+        check_reward_output(output, "judge", 2)
+
+
+def test_valid_outputs_convert_to_floats():
+    assert check_reward_output([1, True, np.float32(0.5), torch.tensor(2.0)], "f", 4) == [1.0, 1.0, 0.5, 2.0]
+    values = check_reward_output(torch.tensor([1.0, 2.0]), "f", 2)
+    assert values == [1.0, 2.0]
+
+
+def test_scorer_wraps_exceptions_with_the_name():
+    def broken(completions, **kwargs):
+        raise KeyError("solution")
+
+    with pytest.raises(ValueError, match="Reward function 'broken' raised KeyError"):
+        RewardScorer(broken).score(["p"], ["c"], [[1]], {}, None, torch.device("cpu"))
+
+
+def test_scorer_refuses_bad_arguments(tokenizer):
+    with pytest.raises(ValueError, match="at least one"):
+        RewardScorer([])
+    with pytest.raises(TypeError, match="callable, a PreTrainedModel or a model id"):
+        RewardScorer([3])
+    with pytest.raises(ValueError, match="reward_processing_classes` has 2 entries for 1"):
+        RewardScorer(count_letters_reward, reward_processing_classes=[tokenizer, tokenizer])
+
+
+def test_reward_model_scores_are_its_first_logit(tokenizer):
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    scorer = RewardScorer(model, reward_processing_classes=tokenizer)
+    assert model.config.pad_token_id == tokenizer.pad_token_id  # needed to find each row's last token
+    prompts, completions = ["Say a:", "Say b:"], ["a", "bbbb"]
+    scores = scorer.score(prompts, completions, [[], []], {}, None, torch.device("cpu"))
+    # Each text scored alone (no padding) must give the same value as the right-padded batch.
+    for index, (prompt, completion) in enumerate(zip(prompts, completions)):
+        alone = model(**tokenizer(prompt + completion, return_tensors="pt")).logits[0, 0]
+        assert scores[index, 0].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_reward_model_built_from_config_needs_its_tokenizer(tokenizer):
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1)
+    with pytest.raises(ValueError, match="reward_processing_classes"):
+        RewardScorer(Qwen2ForSequenceClassification(config))
+
+
+def test_reward_model_id_that_cannot_be_reached():
+    with pytest.raises(OSError, match="Could not load the reward model 'no-such-org/rm'"):
+        RewardScorer("no-such-org/rm")

@@ -1,0 +1,371 @@
+"""End-to-end training on real tiny models: every path the trainer offers, and the errors it raises."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import changed, count_letters_reward, length_reward, make_config, snapshot
+from datasets import Dataset
+from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+import targetpo.trainer as trainer_module
+from targetpo import TargetPOTrainer
+from targetpo import functional as F
+
+
+def metric_names(trainer):
+    return {key for entry in trainer.state.log_history for key in entry}
+
+
+def test_standard_dataset_trains_every_parameter_and_logs_metrics(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    seen_kwargs = {}
+
+    def reward_with_columns(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        seen_kwargs.update(answer=answer, trainer_state=trainer_state, completion_ids=completion_ids, prompts=prompts)
+        return count_letters_reward(completions)
+
+    args = make_config(tmp_path, max_steps=3)
+    trainer = TargetPOTrainer(
+        tiny_model, [reward_with_columns, length_reward], args=args, train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    before = snapshot(tiny_model)
+    trainer.train()
+
+    assert changed(before, tiny_model) == set(before), "every trainable parameter must move"
+    names = metric_names(trainer)
+    for expected in [
+        "loss", "reward", "reward_std", "rewards/reward_with_columns/mean", "rewards/reward_with_columns/std",
+        "rewards/length_reward/mean", "completions/mean_length", "completions/min_length", "completions/max_length",
+        "completions/clipped_ratio", "entropy", "tpo/target_entropy", "tpo/informative_group_fraction",
+        "tpo/best_completion_target_mass",
+    ]:
+        assert expected in names, expected
+    assert "kl" not in names  # beta = 0
+    # Reward functions get the extra columns, the trainer state and token ids, one per completion.
+    assert len(seen_kwargs["answer"]) == 8 and set(seen_kwargs["answer"]) <= set(prompt_dataset["answer"])
+    assert seen_kwargs["trainer_state"] is trainer.state
+    assert all(isinstance(ids, list) and all(isinstance(i, int) for i in ids) for ids in seen_kwargs["completion_ids"])
+    # Groups are contiguous: each prompt appears num_generations times in a row.
+    prompts = seen_kwargs["prompts"]
+    assert prompts[:4] == [prompts[0]] * 4 and prompts[4:] == [prompts[4]] * 4
+
+
+def test_conversational_dataset_gets_message_completions(tmp_path, tiny_model, tokenizer, chat_dataset):
+    received = []
+
+    def reward(completions, **kwargs):
+        received.extend(completions)
+        return count_letters_reward(completions)
+
+    trainer = TargetPOTrainer(
+        tiny_model, reward, args=make_config(tmp_path), train_dataset=chat_dataset, processing_class=tokenizer
+    )
+    before = snapshot(tiny_model)
+    trainer.train()
+    assert changed(before, tiny_model) == set(before)
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in received)
+    assert "reward" in metric_names(trainer)
+
+
+def test_reward_model_path(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    reward_tokenizer = tokenizer.__class__.from_pretrained  # noqa: F841 (shows the real class is used below)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    reward_model = Qwen2ForSequenceClassification(config)
+    args = make_config(tmp_path, reward_weights=[0.5, 1.0])
+    trainer = TargetPOTrainer(
+        tiny_model, [reward_model, count_letters_reward], args=args, train_dataset=prompt_dataset,
+        processing_class=tokenizer, reward_processing_classes=[tokenizer, None],
+    )
+    trainer.train()
+    names = metric_names(trainer)
+    assert "rewards/Qwen2ForSequenceClassification/mean" in names
+    assert "reward" in names
+    assert not any(p.requires_grad for p in reward_model.parameters())
+
+
+def test_peft_trains_only_adapters(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    args = make_config(tmp_path, beta=0.1)  # the reference is then the adapter-free base model
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    assert trainer.ref_model is None
+    model = trainer.model
+    before = snapshot(model)
+    trainer.train()
+    moved = changed(before, model)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    lora_b = {name for name in trainable if "lora_B" in name}
+    assert lora_b <= moved, "the adapters must train"
+    assert moved <= trainable, f"frozen base weights moved: {sorted(moved - trainable)[:3]}"
+    assert "kl" in metric_names(trainer)
+
+
+def test_kl_penalty_logs_kl_and_keeps_reference_frozen(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    args = make_config(tmp_path, beta=0.5, max_steps=3)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    reference_before = snapshot(trainer.ref_model)
+    policy_before = snapshot(tiny_model)
+    trainer.train()
+    assert changed(reference_before, trainer.ref_model) == set()
+    assert changed(policy_before, tiny_model) == set(policy_before)
+    kls = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert len(kls) == 3 and kls[0] == pytest.approx(0.0, abs=1e-9)  # step 1: the policy is still the reference
+    assert kls[-1] > 0
+
+
+class _Recorder:
+    """Wraps the trainer's log-prob function to count forward passes, and records what each loss call saw."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = trainer_module.completion_logps
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(trainer_module, "completion_logps", counting)
+
+
+def test_single_use_rollout_makes_no_extra_forward(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
+    recorder = _Recorder(monkeypatch)
+    args = make_config(tmp_path, max_steps=3)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    assert not trainer._needs_old_logps
+    trainer.train()
+    assert recorder.calls == 3  # one forward per step: old log-probs are the detached current ones
+
+
+def test_gradient_accumulation_over_a_rollout_needs_no_old_logps(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
+    recorder = _Recorder(monkeypatch)
+    args = make_config(tmp_path, steps_per_generation=2, gradient_accumulation_steps=2, max_steps=2)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    assert args.generation_batch_size == 16 and not trainer._needs_old_logps
+    trainer.train()
+    assert recorder.calls == 4  # 2 optimiser steps x 2 micro-steps, nothing at rollout
+
+
+def test_several_iterations_freeze_q_at_rollout(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
+    recorder = _Recorder(monkeypatch)
+    seen = []
+    original_loss = TargetPOTrainer._target_loss
+
+    def recording_loss(self, per_token_logps, inputs, mode):
+        current = F.sequence_logps(per_token_logps.detach(), inputs["completion_mask"], True)
+        seen.append({"inputs": inputs, "targets": inputs["targets"].clone(), "current": current})
+        return original_loss(self, per_token_logps, inputs, mode)
+
+    monkeypatch.setattr(TargetPOTrainer, "_target_loss", recording_loss)
+    args = make_config(tmp_path, num_iterations=2, max_steps=4)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    assert trainer._needs_old_logps
+    trainer.train()
+    assert recorder.calls == 4 + 2  # 4 steps plus one old-log-prob pass per rollout
+    assert len(seen) == 4
+    for first, second in (seen[0], seen[1]), (seen[2], seen[3]):
+        assert second["inputs"] is first["inputs"]  # the same step batch of the same rollout
+        assert torch.equal(first["targets"], second["targets"])
+        batch = first["inputs"]
+        old = F.sequence_logps(batch["old_per_token_logps"], batch["completion_mask"], True)
+        expected = F.tpo_targets(old, batch["advantages"], 4, batch["valid"], 1.0)
+        assert torch.allclose(first["targets"], expected)
+        # The weights moved in between, so a q rebuilt from the current policy would differ: freezing matters.
+        assert not torch.allclose(second["current"], old)
+    assert not torch.equal(seen[0]["targets"], seen[2]["targets"])  # a new rollout, a new q
+
+
+def test_checkpoint_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, prompt_dataset):
+    from targetpo.demo import build_tiny_causal_lm
+
+    def fresh():
+        return build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+
+    straight = TargetPOTrainer(
+        fresh(), count_letters_reward, args=make_config(tmp_path / "a", max_steps=4), train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    straight.train()
+
+    first = TargetPOTrainer(
+        fresh(), count_letters_reward,
+        args=make_config(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=prompt_dataset, processing_class=tokenizer,
+    )
+    first.train()
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
+    assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "model.safetensors").exists()
+
+    resumed = TargetPOTrainer(
+        fresh(), count_letters_reward, args=make_config(tmp_path / "c", max_steps=4), train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert [e["reward"] for e in resumed.state.log_history if "reward" in e][-1] == pytest.approx(
+        [e["reward"] for e in straight.state.log_history if "reward" in e][-1]
+    )
+
+
+def test_evaluation_logs_eval_metrics(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    args = make_config(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset,
+        eval_dataset=prompt_dataset.select(range(4)), processing_class=tokenizer,
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and "eval_reward" in metrics and "eval_tpo/target_entropy" in metrics
+
+
+def test_grpo_baseline_loss_trains(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    args = make_config(tmp_path, loss_type="grpo", num_iterations=2, max_steps=2)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    before = snapshot(tiny_model)
+    trainer.train()
+    assert changed(before, tiny_model)
+    assert "tpo/target_entropy" not in metric_names(trainer)
+
+
+def test_log_completions_prints_a_table(tmp_path, tiny_model, tokenizer, prompt_dataset, capsys):
+    args = make_config(tmp_path, log_completions=True, num_completions_to_print=4, max_steps=1)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "Completions at step" in out and "Target q" in out and "count_letters_reward" in out
+    table = trainer._completion_table
+    assert len(table.targets) == 8 and sum(table.targets[:4]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_saved_state_holds_logged_metrics(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=make_config(tmp_path), train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+    out = tmp_path / "out"
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert any("reward" in entry for entry in state["log_history"])
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_missing_prompt_column(tmp_path, tiny_model, tokenizer):
+    data = Dataset.from_dict({"question": ["a", "b"]})
+    with pytest.raises(ValueError, match="no 'prompt' column.*question"):
+        TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path), train_dataset=data, processing_class=tokenizer)
+
+
+def test_empty_dataset(tmp_path, tiny_model, tokenizer):
+    data = Dataset.from_dict({"prompt": []})
+    with pytest.raises(ValueError, match="dataset is empty"):
+        TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path), train_dataset=data, processing_class=tokenizer)
+
+
+def test_conversational_dataset_needs_chat_template(tmp_path, tiny_model, chat_dataset):
+    from targetpo.demo import build_char_tokenizer
+
+    no_template = build_char_tokenizer(chat_template=None)
+    with pytest.raises(ValueError, match="no chat\\s+template"):
+        TargetPOTrainer(
+            tiny_model, length_reward, args=make_config(tmp_path), train_dataset=chat_dataset,
+            processing_class=no_template,
+        )
+
+
+def test_dataset_smaller_than_a_rollout(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    with pytest.raises(ValueError, match="one rollout needs"):
+        TargetPOTrainer(
+            tiny_model, length_reward, args=make_config(tmp_path, per_device_train_batch_size=40),
+            train_dataset=prompt_dataset, processing_class=tokenizer,
+        )
+
+
+def test_reward_weights_must_match_reward_functions(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    with pytest.raises(ValueError, match="reward_weights has 3 entries but there are 2"):
+        TargetPOTrainer(
+            tiny_model, [length_reward, count_letters_reward], args=make_config(tmp_path, reward_weights=[1, 2, 3]),
+            train_dataset=prompt_dataset, processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize(
+    "bad_reward, message",
+    [
+        (lambda completions, **kw: [1.0] * (len(completions) - 1), "'wrong_length' returned 7 scores for 8"),
+        (lambda completions, **kw: ["good"] * len(completions), "'wrong_length' returned 'good'"),
+        (lambda completions, **kw: 1 / 0, "'wrong_length' raised ZeroDivisionError"),
+        (lambda completions, **kw: [float("nan")] * len(completions), "'wrong_length' returned nan"),
+        (lambda completions, **kw: 3.0, "'wrong_length' must return a list"),
+    ],
+)
+def test_bad_reward_function_output_is_named(tmp_path, tiny_model, tokenizer, prompt_dataset, bad_reward, message):
+    bad_reward.__name__ = "wrong_length"
+    trainer = TargetPOTrainer(
+        tiny_model, bad_reward, args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    before = snapshot(tiny_model)
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert changed(before, tiny_model) == set()  # refused before any update
+
+
+def test_model_from_config_needs_a_tokenizer(tmp_path, tiny_model, prompt_dataset):
+    with pytest.raises(ValueError, match="pass `processing_class=`"):
+        TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_unreachable_hub_model_gives_a_clear_error(tmp_path, prompt_dataset):
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    with pytest.raises(OSError, match="Could not load the model 'no-such-org/no-such-model'.*Hugging Face Hub"):
+        TargetPOTrainer("no-such-org/no-such-model", length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_non_config_args_are_refused(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    from transformers import TrainingArguments
+
+    with pytest.raises(TypeError, match="TargetPOConfig"):
+        TargetPOTrainer(
+            tiny_model, length_reward, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+        )
+
+
+def test_dataset_column_that_clashes_with_reward_arguments(tmp_path, tiny_model, tokenizer):
+    data = Dataset.from_dict({"prompt": ["a"] * 4, "completions": ["x"] * 4})
+    with pytest.raises(ValueError, match=r"\['completions'\] would collide"):
+        TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path), train_dataset=data, processing_class=tokenizer)
+
+
+def test_eval_batches_must_hold_whole_groups(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    with pytest.raises(ValueError, match="per_device_eval_batch_size \\(6\\)"):
+        TargetPOTrainer(
+            tiny_model, length_reward, args=make_config(tmp_path, per_device_eval_batch_size=6),
+            train_dataset=prompt_dataset, eval_dataset=prompt_dataset, processing_class=tokenizer,
+        )
