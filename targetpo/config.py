@@ -157,21 +157,28 @@ class GRPOConfig(TrainingArguments):
         """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""
         world_size = self.world_size
         step_batch = self.per_device_train_batch_size * world_size
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            raise ValueError("Set either generation_batch_size or steps_per_generation, not both.")
+        if self.steps_per_generation is not None and self.steps_per_generation < 1:
+            raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
+        if self.generation_batch_size is not None and (
+            self.generation_batch_size < 1 or self.generation_batch_size % step_batch != 0
+        ):
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) must be a positive multiple of "
+                f"per_device_train_batch_size * world_size ({self.per_device_train_batch_size} * {world_size} = "
+                f"{step_batch})."
+            )
         if self.generation_batch_size is None:
             self.steps_per_generation = self.steps_per_generation or 1
-            if self.steps_per_generation < 1:
-                raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
             self.generation_batch_size = step_batch * self.steps_per_generation
-        else:
-            if self.generation_batch_size < 1 or self.generation_batch_size % step_batch != 0:
-                raise ValueError(
-                    f"generation_batch_size ({self.generation_batch_size}) must be a positive multiple of "
-                    f"per_device_train_batch_size * world_size ({self.per_device_train_batch_size} * {world_size} = "
-                    f"{step_batch})."
-                )
+        elif self.steps_per_generation is None:
             self.steps_per_generation = self.generation_batch_size // step_batch
+        elif self.generation_batch_size != step_batch * self.steps_per_generation:
+            # Both set: fine when they agree (as in a copy of an already-resolved config), an error otherwise.
+            raise ValueError(
+                f"Set either generation_batch_size or steps_per_generation, not both: generation_batch_size="
+                f"{self.generation_batch_size} disagrees with steps_per_generation={self.steps_per_generation} x "
+                f"{step_batch} completions per step."
+            )
 
         per_step = self.generation_batch_size // self.steps_per_generation
         if per_step % self.num_generations != 0:

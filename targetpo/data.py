@@ -79,6 +79,28 @@ def identity_collator(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+#: Key under which a training row carries which use of its rollout the dataloader fetched it for.
+ROLLOUT_USE = "__rollout_use__"
+
+
+class RolloutRows(torch.utils.data.Dataset):
+    """The training dataset as its dataloader reads it, with keys ``(index, use)`` from a tagging RepeatSampler.
+
+    Each row comes back with ``ROLLOUT_USE`` set to ``use``, so the trainer knows which micro-step of a rollout the
+    batch is for, exactly, also when a resumed run starts in the middle of a rollout.
+    """
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        index, use = key
+        return {**self.dataset[index], ROLLOUT_USE: use}
+
+
 class RepeatSampler(Sampler[int]):
     """Yield prompt indices so that rollouts hold whole, contiguous groups and are reused for several steps.
 
@@ -89,6 +111,8 @@ class RepeatSampler(Sampler[int]):
         -> 0 0 1 1 | 0 0 1 1 | 2 2 3 3 | 2 2 3 3
 
     A trailing chunk with fewer than ``prompts_per_rollout`` prompts is dropped so every rollout has the same size.
+    With ``tag_uses=True`` it yields ``(index, use)`` pairs instead, ``use`` counting the repeats of the chunk
+    (for :class:`RolloutRows`).
     """
 
     def __init__(
@@ -99,6 +123,7 @@ class RepeatSampler(Sampler[int]):
         repeat_count: int = 1,
         shuffle: bool = True,
         seed: int = 0,
+        tag_uses: bool = False,
     ):
         if prompts_per_rollout > num_prompts:
             raise ValueError(
@@ -111,13 +136,14 @@ class RepeatSampler(Sampler[int]):
         self.repeat_count = repeat_count
         self.shuffle = shuffle
         self.seed = seed
+        self.tag_uses = tag_uses
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle differently, but reproducibly, in each epoch."""
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int | tuple[int, int]]:
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_prompts, generator=generator).tolist()
@@ -126,9 +152,10 @@ class RepeatSampler(Sampler[int]):
         num_chunks = self.num_prompts // self.prompts_per_rollout
         for chunk_index in range(num_chunks):
             chunk = order[chunk_index * self.prompts_per_rollout : (chunk_index + 1) * self.prompts_per_rollout]
-            for _ in range(self.repeat_count):
+            for use in range(self.repeat_count):
                 for index in chunk:
-                    yield from [index] * self.num_generations
+                    key = (index, use) if self.tag_uses else index
+                    yield from [key] * self.num_generations
 
     def __len__(self) -> int:
         num_chunks = self.num_prompts // self.prompts_per_rollout

@@ -101,9 +101,13 @@ def tpo_scores(
     zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
     mean = torch.where(valid, grouped, zero).sum(dim=-1, keepdim=True) / count
     deviation = torch.where(valid, grouped - mean, zero)
-    std = (deviation.square().sum(dim=-1, keepdim=True) / count).sqrt()
     informative = _informative_groups(grouped, valid).unsqueeze(-1)
-    u = deviation / torch.where(informative, std, torch.ones_like(std))
+    # Scale by the largest deviation before squaring: the z-score is unchanged and huge scores cannot overflow.
+    scale = deviation.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(informative, scale, torch.ones_like(scale))
+    scaled = deviation / scale
+    std = (scaled.square().sum(dim=-1, keepdim=True) / count).sqrt()
+    u = scaled / torch.where(informative, std, torch.ones_like(std))
     return torch.where(valid & informative, u, zero).reshape(-1)
 
 
@@ -131,7 +135,13 @@ def tpo_targets(
     _require_finite(old, valid, "old_sequence_logps")
     _require_finite(u, valid, "scores")
     # softmax(log_softmax(l_old) + u/eta) == softmax(l_old + u/eta): the group's normaliser cancels.
-    logits = torch.where(valid, old + u / temperature, torch.tensor(float("-inf"), dtype=old.dtype, device=old.device))
+    tilted = old + u / temperature
+    if not torch.isfinite(tilted[valid]).all():
+        raise ValueError(
+            f"The target temperature {temperature} is too small for these scores: u / temperature overflows. Use a "
+            "larger temperature (0.25 to 2 works well)."
+        )
+    logits = torch.where(valid, tilted, torch.tensor(float("-inf"), dtype=old.dtype, device=old.device))
     has_valid = valid.any(dim=-1, keepdim=True)
     logits = torch.where(has_valid, logits, torch.zeros_like(logits))  # an all -inf row would softmax to NaN
     return (torch.softmax(logits, dim=-1) * valid).reshape(-1)

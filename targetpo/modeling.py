@@ -54,6 +54,11 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # attention modules read it per call
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "attention_dropout", None), float):
+        config.attention_dropout = 0.0
 
 
 def apply_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:

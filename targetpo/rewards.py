@@ -99,6 +99,8 @@ class RewardScorer:
                 f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} reward functions; give "
                 "one weight per reward function."
             )
+        if not all(math.isfinite(float(weight)) for weight in reward_weights):
+            raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}.")
         self.funcs: list[Any] = []
         self.tokenizers: list[Any] = []
         for func, tokenizer in zip(funcs, tokenizers):
@@ -184,8 +186,11 @@ class RewardScorer:
             texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
             add_special_tokens = True
         else:
+            # A prompt ending in an assistant message was continued: the completion message already includes it.
             texts = [
-                tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+                tokenizer.apply_chat_template(
+                    (prompt[:-1] if prompt[-1]["role"] == "assistant" else prompt) + completion, tokenize=False
+                )
                 for prompt, completion in zip(prompts, completions)
             ]
             add_special_tokens = False  # the chat template already wrote the special tokens

@@ -27,7 +27,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from . import functional as F
 from .config import TargetPOConfig
-from .data import RepeatSampler, identity_collator, is_conversational, render_prompts, validate_prompt_dataset
+from .data import (
+    ROLLOUT_USE,
+    RepeatSampler,
+    RolloutRows,
+    identity_collator,
+    render_prompts,
+    validate_prompt_dataset,
+)
 from .generation import Completions, TransformersGenerator
 from .modeling import (
     apply_peft,
@@ -112,12 +119,13 @@ class TargetPOTrainer(Trainer):
             )
         if isinstance(eval_dataset, dict):
             raise ValueError("A dict of evaluation datasets is not supported: pass one dataset as `eval_dataset`.")
-        if eval_dataset is not None and (args.per_device_eval_batch_size * args.world_size) % args.num_generations:
+        if args.auto_find_batch_size:
             raise ValueError(
-                f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
-                f"({args.per_device_eval_batch_size}) x {args.world_size} processes must be a multiple of "
-                f"num_generations ({args.num_generations})."
+                "auto_find_batch_size is not supported: the batch size fixes how prompt groups map to steps. Set "
+                "per_device_train_batch_size (a multiple of num_generations) instead."
             )
+        if eval_dataset is not None:
+            _check_eval_batches(args)
 
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
@@ -187,7 +195,6 @@ class TargetPOTrainer(Trainer):
         self._generate_every = args.steps_per_generation * args.num_iterations
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0
         self._buffer: list[Batch] | None = None
-        self._micro_step: int | None = None
         self._rollout_count = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._completion_table: RolloutTable | None = None
@@ -203,6 +210,7 @@ class TargetPOTrainer(Trainer):
             repeat_count=self._generate_every,
             shuffle=True,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
+            tag_uses=True,
         )
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
@@ -212,32 +220,44 @@ class TargetPOTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("TargetPOTrainer: training requires a train_dataset.")
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
-        # serves, and `_prepare_inputs` hands out one step batch at a time.
+        # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time.
         return self._get_dataloader(
-            dataset=self.train_dataset,
+            dataset=RolloutRows(self.train_dataset),
             description="Training",
-            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
 
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        if isinstance(eval_dataset, str):
+            raise ValueError("Named evaluation datasets are not supported: pass the dataset itself.")
+        if eval_dataset is not None:
+            validate_prompt_dataset(eval_dataset, "eval", self.processing_class)
+        _check_eval_batches(self.args)
+        return super().get_eval_dataloader(eval_dataset)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # With remove_unused_columns=True only what rollouts themselves need is kept.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt", ROLLOUT_USE]
+
     def train(self, *args: Any, **kwargs: Any):
-        self._buffer = None
-        self._micro_step = None  # set from the (possibly resumed) global step at the first micro-step
+        self._buffer = None  # a (resumed) run starts with a fresh rollout
         return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _prepare_inputs(self, rows: list[dict[str, Any]]) -> Batch:
         if not self.model.training:
             return self._rollout(rows, mode="eval")
-        if self._micro_step is None:
-            self._micro_step = self.state.global_step * self.args.gradient_accumulation_steps
-        if self._buffer is None or self._micro_step % self._generate_every == 0:
+        # The sampler tagged which use of its rollout this batch is: use 0 starts a new rollout (and so does a resumed
+        # run, which may begin mid-rollout). Uses cycle through the step batches, num_iterations times.
+        use = rows[0][ROLLOUT_USE]
+        rows = [{key: value for key, value in row.items() if key != ROLLOUT_USE} for row in rows]
+        if self._buffer is None or use == 0:
             rollout = self._rollout(rows, mode="train")
             self._buffer = _split_rows(rollout, self.args.per_device_train_batch_size)
-        batch = self._buffer[self._micro_step % self.args.steps_per_generation]
-        self._micro_step += 1
-        return batch
+        return self._buffer[use % self.args.steps_per_generation]
 
     @torch.no_grad()
     def _rollout(self, rows: list[dict[str, Any]], mode: str) -> Batch:
@@ -547,6 +567,16 @@ class TargetPOTrainer(Trainer):
             and self.accelerator.is_main_process
         ):
             print_completions_table(self._completion_table, self.args.num_completions_to_print)
+
+
+def _check_eval_batches(args: TargetPOConfig) -> None:
+    """Evaluation batches, like training steps, must hold whole prompt groups."""
+    if (args.per_device_eval_batch_size * args.world_size) % args.num_generations:
+        raise ValueError(
+            f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
+            f"({args.per_device_eval_batch_size}) x {args.world_size} processes must be a multiple of "
+            f"num_generations ({args.num_generations})."
+        )
 
 
 def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:

@@ -145,3 +145,8 @@ def test_reward_model_built_from_config_needs_its_tokenizer(tokenizer):
 def test_reward_model_id_that_cannot_be_reached():
     with pytest.raises(OSError, match="Could not load the reward model 'no-such-org/rm'"):
         RewardScorer("no-such-org/rm")
+
+
+def test_reward_weights_must_be_finite():
+    with pytest.raises(ValueError, match="finite"):
+        RewardScorer([count_letters_reward], reward_weights=[float("nan")])

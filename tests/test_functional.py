@@ -232,3 +232,14 @@ def test_target_diagnostics_closed_form():
     # Best completions: the two tied 1.0s in group 1 (mass 1.0) and the 1.0 in group 2 (mass 0.9).
     assert d["best_completion_target_mass"].item() == pytest.approx((1.0 + 0.9) / 2)
     assert torch.equal(F.informative_groups(scores, 3), torch.tensor([True, True, False]))
+
+
+def test_huge_scores_do_not_overflow():
+    u = F.tpo_scores(torch.tensor([1e30, -1e30, 3e30, -3e30]), num_generations=4)
+    expected = torch.tensor([1.0, -1.0, 3.0, -3.0]) / math.sqrt(5.0)
+    assert torch.allclose(u, expected)
+
+
+def test_target_temperature_too_small_for_the_scores():
+    with pytest.raises(ValueError, match="too small"):
+        F.tpo_targets(torch.zeros(2), torch.tensor([1.0, -1.0]), 2, temperature=1e-39)

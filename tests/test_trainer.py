@@ -369,3 +369,83 @@ def test_eval_batches_must_hold_whole_groups(tmp_path, tiny_model, tokenizer, pr
             tiny_model, length_reward, args=make_config(tmp_path, per_device_eval_batch_size=6),
             train_dataset=prompt_dataset, eval_dataset=prompt_dataset, processing_class=tokenizer,
         )
+
+
+def test_resume_mid_rollout_serves_each_batch_its_own_rollout(tmp_path, tokenizer, monkeypatch):
+    """Epochs whose micro-batches do not fill the last accumulation step, then a resume in the middle of it all."""
+    from targetpo.demo import build_tiny_causal_lm
+
+    data = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    served = []
+    original = TargetPOTrainer._prepare_inputs
+
+    def recording(self, rows):
+        batch = original(self, rows)
+        if self.model.training:
+            rollout_prompt = self.processing_class.decode(batch["prompt_ids"][0], skip_special_tokens=True)
+            served.append((rows[0]["prompt"], rollout_prompt))
+        return batch
+
+    monkeypatch.setattr(TargetPOTrainer, "_prepare_inputs", recording)
+
+    def run(out, resume=None, **overrides):
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+        args = make_config(out, per_device_train_batch_size=4, num_iterations=2, gradient_accumulation_steps=5,
+                           max_steps=3, **overrides)
+        trainer = TargetPOTrainer(model, count_letters_reward, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    run(tmp_path / "a", save_strategy="steps", save_steps=1)
+    served.clear()
+    resumed = run(tmp_path / "b", resume=str(tmp_path / "a" / "out" / "checkpoint-1"))
+    assert resumed.state.global_step == 3
+    assert len(served) == 8  # two more epochs of 2 prompts x 2 uses
+    assert all(row_prompt == rollout_prompt for row_prompt, rollout_prompt in served), served
+
+
+def test_checkpoint_sampling_defaults_do_not_leak_into_rollouts(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    only_z = [i for i in range(len(tokenizer)) if i != tokenizer.convert_tokens_to_ids("z")]
+    tiny_model.generation_config.suppress_tokens = only_z  # a checkpoint setting the config does not ask for
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.extend(completions)
+        return length_reward(completions)
+
+    trainer = TargetPOTrainer(
+        tiny_model, reward, args=make_config(tmp_path, max_steps=1), train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert any(set(text) - {"z"} for text in seen)
+    assert tiny_model.generation_config.suppress_tokens == only_z  # restored afterwards
+
+
+def test_evaluate_checks_a_dataset_passed_late(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    trainer = TargetPOTrainer(
+        tiny_model, length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        trainer.evaluate(eval_dataset=Dataset.from_dict({"text": ["a"] * 4}))
+
+
+def test_resolved_config_can_be_copied(tmp_path):
+    import dataclasses
+
+    args = make_config(tmp_path, steps_per_generation=2)
+    copy = dataclasses.replace(args, learning_rate=0.5)
+    assert copy.generation_batch_size == 16 and copy.steps_per_generation == 2
+
+
+def test_dropout_is_disabled_everywhere(tmp_path, tokenizer, prompt_dataset):
+    from targetpo.demo import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128)
+    model.config.attention_dropout = 0.3
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.3
+    TargetPOTrainer(model, length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer)
+    assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,8 +29,6 @@ class TransformersGenerator:
         generation_kwargs: dict[str, Any] | None = None,
     ):
         self.eos_token_ids = list(eos_token_ids)
-        # Every sampling knob is set explicitly so nothing is inherited from a checkpoint's generation_config:
-        # the sampled distribution must be the one the trainer's log-probs describe.
         settings: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,
             do_sample=True,
@@ -51,9 +50,27 @@ class TransformersGenerator:
         was_training = model.training
         model.eval()
         try:
-            output = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
-            )
+            with _without_checkpoint_sampling_defaults(model):
+                output = model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+                )
         finally:
             model.train(was_training)
         return completion_masks(output[:, prompt_ids.size(1) :], self.eos_token_ids)
+
+
+@contextlib.contextmanager
+def _without_checkpoint_sampling_defaults(model: nn.Module) -> Iterator[None]:
+    """Hide the checkpoint's generation_config while generating.
+
+    ``generate`` fills every setting left unset in the config it is given from ``model.generation_config``, so a
+    checkpoint's min_p, suppress_tokens, no_repeat_ngram_size, ... would reshape sampling behind the trainer's back.
+    The sampled distribution must be exactly the one the configuration (and the trainer's log-probs) describes.
+    """
+    owner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT generates with the base
+    saved = owner.generation_config
+    owner.generation_config = GenerationConfig(bos_token_id=getattr(saved, "bos_token_id", None))
+    try:
+        yield
+    finally:
+        owner.generation_config = saved
