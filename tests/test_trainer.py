@@ -449,3 +449,56 @@ def test_dropout_is_disabled_everywhere(tmp_path, tokenizer, prompt_dataset):
     TargetPOTrainer(model, length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer)
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
     assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_truncated_completions_are_invalid_when_masked(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
+    batches = []
+    original = TargetPOTrainer._target_loss
+
+    def recording(self, per_token_logps, inputs, mode):
+        loss = original(self, per_token_logps, inputs, mode)
+        batches.append(inputs)
+        return loss
+
+    monkeypatch.setattr(TargetPOTrainer, "_target_loss", recording)
+    # Only 'a' and EOS may be sampled, so some completions end early and the others hit the 3-token limit.
+    allowed = {tokenizer.convert_tokens_to_ids("a"), tokenizer.eos_token_id}
+    args = make_config(
+        tmp_path, max_completion_length=3, mask_truncated_completions=True, max_steps=3,
+        generation_kwargs={"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]},
+    )
+    trainer = TargetPOTrainer(tiny_model, length_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.train()
+    truncated_seen = ended_seen = False
+    for batch in batches:
+        has_eos = (batch["completion_ids"] == tokenizer.eos_token_id).any(dim=1)
+        assert torch.equal(batch["valid"], has_eos)
+        assert torch.equal(batch["completion_mask"].any(dim=1), has_eos)
+        assert torch.all(batch["targets"][~has_eos] == 0) and torch.all(batch["advantages"][~has_eos] == 0)
+        truncated_seen |= bool((~has_eos).any())
+        ended_seen |= bool(has_eos.any())
+    assert truncated_seen and ended_seen
+    fractions = [e["completions/valid_fraction"] for e in trainer.state.log_history if "completions/valid_fraction" in e]
+    assert any(f < 1.0 for f in fractions)
+
+
+def test_long_prompts_keep_their_last_tokens(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    trainer = TargetPOTrainer(
+        tiny_model, length_reward, args=make_config(tmp_path, max_prompt_length=3), train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    ids, mask = trainer._tokenize_prompts(["Say cat:", "Hi:"])
+    assert ids.shape == (2, 3) and mask.tolist() == [[1, 1, 1], [1, 1, 1]]
+    assert tokenizer.decode(ids[0]) == "at:" and tokenizer.decode(ids[1]) == "Hi:"
+
+
+def test_unscored_samples_are_left_out_of_the_sum(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    trainer = TargetPOTrainer(
+        tiny_model, [length_reward, count_letters_reward], args=make_config(tmp_path, reward_weights=[2.0, 1.0]),
+        train_dataset=prompt_dataset, processing_class=tokenizer,
+    )
+    nan = float("nan")
+    per_func = torch.tensor([[1.0, 3.0], [nan, 3.0], [1.0, nan]])
+    assert torch.equal(trainer._combine_rewards(per_func), torch.tensor([5.0, 3.0, 2.0]))
+    with pytest.warns(UserWarning, match="scored by no reward function"):
+        assert trainer._combine_rewards(torch.tensor([[nan, nan]])).tolist() == [0.0]
