@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, set_seed
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
@@ -35,6 +35,7 @@ from .data import (
     render_prompts,
     validate_prompt_dataset,
 )
+from .distributed import all_gather_with_grad, groups_span_processes
 from .generation import Completions, TransformersGenerator
 from .modeling import (
     apply_peft,
@@ -199,6 +200,9 @@ class TargetPOTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._completion_table: RolloutTable | None = None
         self._warned_unscored = False
+        # Each process samples its own completions (a group split over processes must not repeat itself), and the
+        # same seed still reproduces the same run.
+        set_seed(args.seed, device_specific=True)
 
     # ------------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
@@ -454,11 +458,7 @@ class TargetPOTrainer(Trainer):
         sequence_logps = F.sequence_logps(per_token_logps, inputs["completion_mask"], args.tpo_length_normalize_logps)
         span = self._groups_span_processes(mode)
         gather = self.accelerator.gather if span else (lambda tensor: tensor)
-        if span:
-            # Autograd-aware gather: each completion's gradient flows back to the process that owns it.
-            sequence_logps_all = torch.cat(torch.distributed.nn.functional.all_gather(sequence_logps))
-        else:
-            sequence_logps_all = sequence_logps
+        sequence_logps_all = all_gather_with_grad(sequence_logps) if span else sequence_logps
         valid_all = gather(inputs["valid"])
         if inputs.get("targets") is None:
             targets_all = F.tpo_targets(
@@ -477,7 +477,7 @@ class TargetPOTrainer(Trainer):
 
     def _groups_span_processes(self, mode: str) -> bool:
         per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        return self.accelerator.num_processes > 1 and per_device % self.args.num_generations != 0
+        return groups_span_processes(per_device, self.args.num_generations, self.accelerator.num_processes)
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):
         inputs = self._prepare_inputs(inputs)

@@ -1,0 +1,86 @@
+"""Code that runs inside the worker processes of the multi-process tests (importable by spawned children)."""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from targetpo import functional as F
+from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+from targetpo.distributed import all_gather_with_grad, groups_span_processes
+from targetpo.modeling import completion_logps
+
+NUM_GENERATIONS = 4
+#: (name, rows per process, length-normalise, with invalid members)
+CASES = [
+    ("split_mean", 2, True, False),
+    ("split_sum", 2, False, False),
+    ("split_mean_invalid", 6, True, True),
+    ("split_sum_invalid", 6, False, True),
+    ("whole_groups", 4, True, True),
+]
+
+
+def tiny_model():
+    return build_tiny_causal_lm(build_char_tokenizer(), hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
+
+
+def make_batch(total_rows, with_invalid, seed=0):
+    """A fixed batch of prompts and completions, old log-probs and scores, identical in every process."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, 60, (total_rows, 5), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[::3, :2] = 0  # some left padding
+    completion_ids = torch.randint(3, 60, (total_rows, 4), generator=generator)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1::2, 3] = 0  # some shorter completions
+    if with_invalid:
+        completion_mask[[1, 6, 7]] = 0  # empty masks: invalid members (rows 6 and 7 sit in a split group)
+    old_sequence_logps = -torch.rand(total_rows, generator=generator) * 5
+    scores = torch.randint(0, 3, (total_rows,), generator=generator).float()
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, old_sequence_logps, scores
+
+
+def loss_and_sequence_logps(model, rows, normalize, span):
+    """The trainer's computation: local sequence log-probs, gathered when groups span processes, then the loss."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask, old_sequence_logps, scores = rows
+    per_token, _ = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    sequence = F.sequence_logps(per_token, completion_mask, normalize)
+    sequence.retain_grad()
+    valid = completion_mask.any(dim=1)
+    if span:
+        gathered = all_gather_with_grad(sequence)
+        valid, old_sequence_logps, scores = (all_gather_with_grad(t) for t in (valid, old_sequence_logps, scores))
+    else:
+        gathered = sequence
+    u = F.tpo_scores(scores, NUM_GENERATIONS, valid)
+    targets = F.tpo_targets(old_sequence_logps, u, NUM_GENERATIONS, valid)
+    return F.tpo_loss(gathered, targets, NUM_GENERATIONS, valid), sequence
+
+
+def gradient_worker(rank, world_size, port, out_dir):
+    """Each process takes its share of every case's batch, trains through DDP, and saves what it got."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A short timeout: a broken collective fails the test instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        for name, per_device, normalize, with_invalid in CASES:
+            batch = make_batch(per_device * world_size, with_invalid)
+            share = [t[rank * per_device : (rank + 1) * per_device] for t in batch]
+            model = DistributedDataParallel(tiny_model())
+            span = groups_span_processes(per_device, NUM_GENERATIONS, world_size)
+            loss, sequence = loss_and_sequence_logps(model, share, normalize, span)
+            loss.backward()
+            torch.save(
+                {
+                    "span": span,
+                    "loss": loss.detach(),
+                    "sequence_grad": sequence.grad.clone(),
+                    "grads": {n: p.grad.clone() for n, p in model.module.named_parameters()},
+                },
+                os.path.join(out_dir, f"{name}_rank{rank}.pt"),
+            )
+    finally:
+        dist.destroy_process_group()
