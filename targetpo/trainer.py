@@ -2,8 +2,8 @@
 
 One training micro-step reads as:
 
-1. ``_prepare_inputs`` hands out the next step batch of the current rollout, making a new rollout when the last one
-   has served ``steps_per_generation * num_iterations`` micro-steps;
+1. ``_prepare_inputs`` hands out a step batch of the current rollout; the sampler repeats each rollout's rows for the
+   ``steps_per_generation * num_iterations`` micro-steps it serves, and the first of them makes the rollout;
 2. a rollout (``_rollout``) generates, scores, whitens the scores into ``u`` and, where the weights will have moved
    before the rollout is used, records the old log-probs and builds the target ``q``;
 3. ``compute_loss`` computes the policy's sequence log-probs, builds ``q`` from them (detached) if the rollout did
@@ -13,7 +13,6 @@ One training micro-step reads as:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import warnings
 from collections import defaultdict
@@ -50,8 +49,6 @@ from .modeling import (
 )
 from .reporting import RolloutTable, print_completions_table
 from .rewards import RewardFunc, RewardScorer
-
-logger = logging.getLogger(__name__)
 
 Batch = dict[str, Any]
 

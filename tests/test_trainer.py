@@ -70,7 +70,6 @@ def test_conversational_dataset_gets_message_completions(tmp_path, tiny_model, t
 
 
 def test_reward_model_path(tmp_path, tiny_model, tokenizer, prompt_dataset):
-    reward_tokenizer = tokenizer.__class__.from_pretrained  # noqa: F841 (shows the real class is used below)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
@@ -502,3 +501,15 @@ def test_unscored_samples_are_left_out_of_the_sum(tmp_path, tiny_model, tokenize
     assert torch.equal(trainer._combine_rewards(per_func), torch.tensor([5.0, 3.0, 2.0]))
     with pytest.warns(UserWarning, match="scored by no reward function"):
         assert trainer._combine_rewards(torch.tensor([[nan, nan]])).tolist() == [0.0]
+
+
+def test_remove_unused_columns_keeps_only_the_prompt(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    received = set()
+
+    def reward(completions, **kwargs):
+        received.update(kwargs)
+        return length_reward(completions)
+
+    args = make_config(tmp_path, remove_unused_columns=True, max_steps=1)
+    TargetPOTrainer(tiny_model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer).train()
+    assert received == {"prompts", "completion_ids", "trainer_state"}  # no 'answer' column
