@@ -195,12 +195,17 @@ class GRPOConfig(TrainingArguments):
                 f"a multiple of num_generations ({self.num_generations})."
             )
         if self.do_eval or self.eval_strategy != "no":
-            eval_batch = self.per_device_eval_batch_size * world_size
-            if eval_batch % self.num_generations != 0:
-                raise ValueError(
-                    f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size * world_size "
-                    f"= {eval_batch} is not a multiple of num_generations={self.num_generations}."
-                )
+            self.check_eval_batch_size()
+
+    def check_eval_batch_size(self) -> None:
+        """Evaluation batches, like training steps, must hold whole prompt groups."""
+        eval_batch = self.per_device_eval_batch_size * self.world_size
+        if eval_batch % self.num_generations != 0:
+            raise ValueError(
+                f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
+                f"({self.per_device_eval_batch_size}) x {self.world_size} processes = {eval_batch} is not a multiple "
+                f"of num_generations ({self.num_generations})."
+            )
 
 
 @dataclass

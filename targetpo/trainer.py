@@ -123,7 +123,7 @@ class TargetPOTrainer(Trainer):
                 "per_device_train_batch_size (a multiple of num_generations) instead."
             )
         if eval_dataset is not None:
-            _check_eval_batches(args)
+            args.check_eval_batch_size()
 
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
@@ -235,7 +235,7 @@ class TargetPOTrainer(Trainer):
             raise ValueError("Named evaluation datasets are not supported: pass the dataset itself.")
         if eval_dataset is not None:
             validate_prompt_dataset(eval_dataset, "eval", self.processing_class)
-        _check_eval_batches(self.args)
+        self.args.check_eval_batch_size()
         return super().get_eval_dataloader(eval_dataset)
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -564,16 +564,6 @@ class TargetPOTrainer(Trainer):
             and self.accelerator.is_main_process
         ):
             print_completions_table(self._completion_table, self.args.num_completions_to_print)
-
-
-def _check_eval_batches(args: TargetPOConfig) -> None:
-    """Evaluation batches, like training steps, must hold whole prompt groups."""
-    if (args.per_device_eval_batch_size * args.world_size) % args.num_generations:
-        raise ValueError(
-            f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
-            f"({args.per_device_eval_batch_size}) x {args.world_size} processes must be a multiple of "
-            f"num_generations ({args.num_generations})."
-        )
 
 
 def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
