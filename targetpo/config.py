@@ -80,6 +80,14 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Extra `GenerationConfig` settings for rollouts (JSON), e.g. '{\"suppress_tokens\": [3]}'."},
     )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DeepSpeed ZeRO-3 or FSDP2, gather the sharded weights once per rollout and generate with "
+            "the full model (fast). False generates layer by layer, gathering each layer at every decoding step: "
+            "much slower, but the full model never has to fit on one device."
+        },
+    )
 
     # --- Loss ---------------------------------------------------------------------------------------------------
     loss_type: str = field(

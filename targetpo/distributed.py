@@ -1,9 +1,15 @@
-"""Collectives for prompt groups that are split over data-parallel processes."""
+"""Distributed plumbing: collectives for prompt groups split over processes, and the engine-specific handling of
+sharded models (DeepSpeed ZeRO, FSDP2) for generation and for frozen models."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def _world_size() -> int:
@@ -27,3 +33,114 @@ def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 def groups_span_processes(per_device_batch_size: int, num_generations: int, num_processes: int) -> bool:
     """Whether a step's prompt groups can be split over processes (each process then lacks whole groups)."""
     return num_processes > 1 and per_device_batch_size % num_generations != 0
+
+
+# ---------------------------------------------------------------------------------------------------- engines
+def _uses_deepspeed(accelerator: Any) -> bool:
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
+def _deepspeed_zero_stage(accelerator: Any) -> int:
+    return int(accelerator.state.deepspeed_plugin.zero_stage or 0) if _uses_deepspeed(accelerator) else 0
+
+
+def _uses_fsdp(accelerator: Any) -> bool:
+    return getattr(accelerator.state, "fsdp_plugin", None) is not None
+
+
+def check_engine_supported(accelerator: Any) -> None:
+    """Refuse engines whose sharded weights rollouts cannot use, before any work is done."""
+    if _uses_fsdp(accelerator) and not accelerator.is_fsdp2:
+        raise ValueError(
+            "FSDP version 1 is not supported: its flat-sharded parameters cannot be used by `generate`. Set "
+            "`fsdp_version: 2` in the accelerate config (see accelerate_configs/fsdp2.yaml)."
+        )
+
+
+def prepare_frozen_model(accelerator: Any, model: nn.Module, micro_batch_size: int) -> nn.Module:
+    """Place a frozen model (the reference, a reward model) for the policy's engine.
+
+    Under ZeRO-3 and FSDP2 it is sharded like the policy, so its memory is split over the processes too; under ZeRO-1/2
+    it is a DeepSpeed inference engine in the training precision; otherwise it is simply moved to the device.
+    """
+    model.eval()
+    if _uses_deepspeed(accelerator):
+        import deepspeed
+
+        config = _deepspeed_frozen_config(accelerator, micro_batch_size)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+    if _uses_fsdp(accelerator):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, model)
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def _deepspeed_frozen_config(accelerator: Any, micro_batch_size: int) -> dict[str, Any]:
+    """An inference-only DeepSpeed config matching the policy's: ZeRO-3 stays ZeRO-3, other stages need no sharding."""
+    train_zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+    }
+    if accelerator.mixed_precision in ("bf16", "fp16"):
+        config[accelerator.mixed_precision] = {"enabled": True}
+    if train_zero.get("stage") == 3:
+        config["zero_optimization"] = {"stage": 3}
+        # Keep the policy's parameter offload; drop "auto" values, which only the training engine resolves.
+        for key in ("offload_param", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
+            value = train_zero.get(key)
+            if value is not None and value != "auto":
+                config["zero_optimization"][key] = value
+    return config
+
+
+@contextlib.contextmanager
+def full_model_for_generation(accelerator: Any, model: nn.Module, gather: bool = True) -> Iterator[nn.Module]:
+    """The policy unwrapped from its engine, holding its full weights for as long as the context lasts.
+
+    ``model`` is the engine-wrapped policy. Under ZeRO-3 and FSDP2 the weights are sharded; with ``gather`` they are
+    gathered once for the whole ``generate`` call instead of layer by layer at every decoding step. Without it, or on
+    other engines, the unwrapped policy is returned as it is (its own hooks gather what each forward needs).
+    """
+    unwrapped = accelerator.unwrap_model(model)
+    if gather and _deepspeed_zero_stage(accelerator) == 3 and getattr(model, "optimizer", None) is not None:
+        # DeepSpeed's own helper: gathers every parameter and lifts the per-layer fetch hooks meanwhile. It needs the
+        # training engine (the hooks live on its optimizer); an evaluation-only engine generates layer by layer.
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield unwrapped
+    elif gather and _uses_fsdp(accelerator):
+        with fsdp2_unsharded(unwrapped, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward):
+            yield unwrapped
+    else:
+        yield unwrapped
+
+
+@contextlib.contextmanager
+def fsdp2_unsharded(model: nn.Module, reshard_after_forward: bool | int = True) -> Iterator[None]:
+    """All of an FSDP2 model's parameters unsharded and kept so through any number of forward passes.
+
+    On exit they are resharded and every FSDP unit reshards after forward as configured
+    (``reshard_after_forward``, the plugin's setting; an int means resharding to a smaller group, which only the
+    wrapping can set up, so it maps to True here).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    handles = [unit.unshard(async_op=True) for unit in units]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(bool(reshard_after_forward), recurse=False)

@@ -34,7 +34,13 @@ from .data import (
     render_prompts,
     validate_prompt_dataset,
 )
-from .distributed import all_gather_with_grad, groups_span_processes
+from .distributed import (
+    all_gather_with_grad,
+    check_engine_supported,
+    full_model_for_generation,
+    groups_span_processes,
+    prepare_frozen_model,
+)
 from .generation import Completions, TransformersGenerator
 from .modeling import (
     apply_peft,
@@ -164,9 +170,12 @@ class TargetPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.model_accepts_loss_kwargs = False
+        check_engine_supported(self.accelerator)
+        # Frozen models are sharded like the policy under ZeRO-3 / FSDP2, so they cost no full copy per device.
+        micro_batch = args.per_device_train_batch_size
         if self.ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
-        self.reward_scorer.prepare_models(lambda rm: self.accelerator.prepare_model(rm, evaluation_mode=True))
+            self.ref_model = prepare_frozen_model(self.accelerator, self.ref_model, micro_batch)
+        self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
         generation_config = getattr(self.accelerator.unwrap_model(self.model), "generation_config", None)
         eos_ids = {tokenizer.eos_token_id}
@@ -341,10 +350,9 @@ class TargetPOTrainer(Trainer):
             prompt_mask = prompt_mask[:, -self.args.max_prompt_length :]
         return prompt_ids, prompt_mask
 
-    @contextlib.contextmanager
     def _generation_model(self):
-        """The policy as ``generate`` needs it: unwrapped from the distributed wrapper."""
-        yield self.accelerator.unwrap_model(self.model)
+        """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
+        return full_model_for_generation(self.accelerator, self.model_wrapped, self.args.ds3_gather_for_generation)
 
     def _decode(self, completions: Completions) -> tuple[list[str], list[list[int]]]:
         """Completion texts and token ids, each cut after its first EOS."""

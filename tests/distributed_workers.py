@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from targetpo import functional as F
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
-from targetpo.distributed import all_gather_with_grad, groups_span_processes
+from targetpo.distributed import all_gather_with_grad, fsdp2_unsharded, groups_span_processes
 from targetpo.modeling import completion_logps
 
 NUM_GENERATIONS = 4
@@ -84,4 +84,43 @@ def gradient_worker(rank, world_size, port, out_dir):
     dist.barrier()
     # Leave without tearing down: freeing a DDP reducer and its gloo group at interpreter exit can deadlock (the
     # group's worker thread waits for the GIL its destructor holds). Every result is already on disk.
+    os._exit(0)
+
+
+def fsdp2_generation_worker(rank, world_size, port, out_dir):
+    """Shard a model with FSDP2, generate inside ``fsdp2_unsharded``, then take a training step; save what happened."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    model = tiny_model()
+    prompt = torch.randint(3, 60, (3, 5), generator=torch.Generator().manual_seed(rank))  # different on each process
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sharded = lambda: all(isinstance(p, DTensor) for p in model.parameters())  # noqa: E731
+    sharded_before = sharded()
+    with fsdp2_unsharded(model, reshard_after_forward=True):
+        generated = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        full_after_generating = not any(isinstance(p, DTensor) for p in model.parameters())
+    sharded_after = sharded()
+    # Training still works afterwards, and resharding after forward is back on.
+    model(prompt, labels=prompt).loss.backward()
+    sharded_after_step = sharded()
+    torch.save(
+        {
+            "expected": expected,
+            "generated": generated,
+            "sharded_before": sharded_before,
+            "full_after_generating": full_after_generating,
+            "sharded_after": sharded_after,
+            "sharded_after_step": sharded_after_step,
+            "grads_are_shards": all(isinstance(p.grad, DTensor) for p in model.parameters()),
+        },
+        os.path.join(out_dir, f"fsdp2_rank{rank}.pt"),
+    )
+    dist.barrier()
     os._exit(0)

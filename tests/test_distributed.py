@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_workers import CASES, gradient_worker, loss_and_sequence_logps, make_batch, tiny_model
+from distributed_workers import CASES, fsdp2_generation_worker, gradient_worker, loss_and_sequence_logps, make_batch, tiny_model
 
 from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
+from targetpo.distributed import check_engine_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
+needs_mpirun = pytest.mark.skipif(
+    shutil.which("mpirun") is None, reason="accelerate starts CPU processes with mpirun: apt-get install openmpi-bin"
+)
 
 
 def free_port():
@@ -53,15 +57,41 @@ def test_each_process_gets_the_single_process_gradient(two_process_results, name
             assert torch.allclose(result["loss"], loss.detach(), atol=1e-6)
 
 
-def launch_example(out, port):
-    """The example script under `accelerate launch` with the CPU multi-process config; returns each rank's record."""
+def test_fsdp2_weights_are_gathered_once_for_generation(tmp_path):
+    """Real FSDP2 (torch's fully_shard) on two gloo processes: accelerate itself enables FSDP on accelerators only."""
+    mp.spawn(fsdp2_generation_worker, args=(WORLD_SIZE, free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    for rank in range(WORLD_SIZE):
+        result = torch.load(tmp_path / f"fsdp2_rank{rank}.pt")
+        assert result["sharded_before"]
+        # Full weights through every decoding step, and the same greedy completions as the unsharded model.
+        assert result["full_after_generating"]
+        assert torch.equal(result["generated"], result["expected"])
+        assert result["sharded_after"] and result["sharded_after_step"] and result["grads_are_shards"]
+
+
+def test_fsdp_version_1_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    # A stand-in for an FSDP accelerator, whose state accelerate only builds on GPUs; the plugin itself is real.
+    fsdp1 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1)), is_fsdp2=False)
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        check_engine_supported(fsdp1)
+    fsdp2 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)), is_fsdp2=True)
+    check_engine_supported(fsdp2)
+
+
+def launch_example(out, port, config="cpu_multi_process.yaml", launch_args=(), script_args=None):
+    """The example script under `accelerate launch` with two CPU processes; returns each rank's record and weights."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "HF_HUB_OFFLINE": "1"}
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_multi_process.yaml",
-        "--main_process_port", str(port), "tests/scripts/launch_example.py",
+    if script_args is None:
         # 4 completions per process and 8 per group: every group is split over the two processes.
-        "--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "8", "--logging_steps", "1",
-        "--output_dir", str(out), "--disable_tqdm", "true",
+        script_args = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "8"]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
+        "--main_process_port", str(port), *launch_args, "tests/scripts/launch_example.py",
+        *script_args, "--logging_steps", "1", "--output_dir", str(out), "--disable_tqdm", "true",
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -71,7 +101,7 @@ def launch_example(out, port):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="accelerate starts CPU processes with mpirun: apt-get install openmpi-bin")
+@needs_mpirun
 def test_accelerate_launch_two_cpu_processes(tmp_path):
     records, (rank0, rank1) = launch_example(tmp_path / "run", free_port())
     assert all(record["num_processes"] == WORLD_SIZE for record in records)
@@ -86,3 +116,45 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     # The same seed reproduces the same run.
     _, (again, _) = launch_example(tmp_path / "again", free_port())
     assert torch.equal(rank0, again)
+
+
+# Groups of 8 split over the two processes (12 completions each), a KL term (so the reference model is used), and
+# plain SGD, whose update is linear in the gradient: engines that compute the same gradient end at the same weights.
+ENGINE_RUN = [
+    "--max_steps", "4", "--per_device_train_batch_size", "12", "--num_generations", "8", "--beta", "0.1",
+    "--optim", "sgd", "--learning_rate", "0.5",
+]
+
+
+@pytest.fixture(scope="module")
+def ddp_engine_run(tmp_path_factory):
+    """The reference for the engine tests: the same run under plain DDP."""
+    _, (weights, _) = launch_example(tmp_path_factory.mktemp("ddp_run"), free_port(), script_args=ENGINE_RUN)
+    return weights
+
+
+@pytest.mark.slow
+@needs_mpirun
+@pytest.mark.parametrize(
+    "stage, gather", [(1, True), (2, True), (3, True), (3, False)], ids=["zero1", "zero2", "zero3", "zero3-layerwise"]
+)
+def test_deepspeed_zero_trains_like_ddp(tmp_path, ddp_engine_run, stage, gather):
+    pytest.importorskip("deepspeed", reason="pip install 'targetpo[deepspeed]'")
+    # DeepSpeed runs on the CPU through accelerate when the process group backend is given (gloo).
+    records, (rank0, rank1) = launch_example(
+        tmp_path,
+        free_port(),
+        config=f"deepspeed_zero{stage}.yaml",
+        launch_args=["--num_processes", str(WORLD_SIZE), "--mixed_precision", "no"],
+        script_args=[*ENGINE_RUN, "--ddp_backend", "gloo", "--ds3_gather_for_generation", str(gather).lower()],
+    )
+    for record in records:
+        assert record["distributed_type"] == "DistributedType.DEEPSPEED" and record["zero_stage"] == stage
+        assert record["num_processes"] == WORLD_SIZE
+        # The reference is prepared for the same engine: under ZeRO-3 its parameters are sharded too.
+        assert record["reference"] == "DeepSpeedEngine"
+        assert record["reference_partitioned"] == (stage == 3)
+    assert torch.equal(rank0, rank1)
+    initial = torch.cat([p.detach().flatten() for p in build_tiny_causal_lm(reverse_task_tokenizer(), seed=42).parameters()])
+    assert (ddp_engine_run - initial).abs().max() > 0.05  # the runs learned something worth comparing
+    assert torch.allclose(rank0, ddp_engine_run, atol=1e-5)

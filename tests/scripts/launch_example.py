@@ -1,5 +1,6 @@
 """Run examples/target_po.py's main() in each process, then save this process's weights for comparison."""
 
+import contextlib
 import importlib.util
 import json
 import sys
@@ -24,11 +25,38 @@ def recording_reward(completions, **kwargs):
 
 
 example.BUILTIN_REWARDS["exact_reversal"] = recording_reward
+
+
+def zero_stage(trainer):
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else plugin.zero_stage
+
+
+def full_weights(model, stage):
+    """The flattened parameters; ZeRO-3 keeps only a shard on each process, so gather them first."""
+    params = list(model.parameters())
+    gathered = contextlib.nullcontext()
+    if stage == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        return torch.cat([p.detach().flatten().clone() for p in params])
+
+
 trainer = example.main(sys.argv[1:])
 rank = trainer.accelerator.process_index
-weights = torch.cat([p.detach().flatten() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()])
+stage = zero_stage(trainer)
 out = Path(trainer.args.output_dir)
-torch.save(weights, out / f"weights_rank{rank}.pt")
-(out / f"world_rank{rank}.json").write_text(
-    json.dumps({"num_processes": trainer.accelerator.num_processes, "first_completions": first_completions})
-)
+torch.save(full_weights(trainer.accelerator.unwrap_model(trainer.model), stage), out / f"weights_rank{rank}.pt")
+ref = trainer.ref_model
+record = {
+    "num_processes": trainer.accelerator.num_processes,
+    "distributed_type": str(trainer.accelerator.distributed_type),
+    "zero_stage": stage,
+    "reference": None if ref is None else type(ref).__name__,
+    # ZeRO-3 partitions a parameter in place: it keeps a `ds_tensor` shard and an empty full tensor.
+    "reference_partitioned": ref is not None and all(hasattr(p, "ds_tensor") for p in ref.parameters()),
+    "first_completions": first_completions,
+}
+(out / f"world_rank{rank}.json").write_text(json.dumps(record))
