@@ -14,17 +14,21 @@ For one group with scores ``s``, rollout-time sequence log-probs ``l_old`` and c
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
     "grpo_loss",
     "informative_groups",
+    "scale_token_gradients",
     "sequence_logps",
     "token_kl",
     "tpo_loss",
     "tpo_scores",
     "tpo_target_diagnostics",
     "tpo_targets",
+    "truncated_importance_weights",
 ]
 
 
@@ -219,6 +223,35 @@ def grpo_loss(
     surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantage)
     per_sequence = sequence_logps(-surrogate, mask, length_normalize=True)
     return per_sequence.mean()
+
+
+def truncated_importance_weights(
+    trainer_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    cap: float,
+) -> torch.Tensor:
+    """Per-token truncated importance weights ``min(exp(trainer - sampler), cap)``, detached; 1 at masked positions.
+
+    They correct for tokens having been sampled by a different implementation of the same policy (a vLLM engine)
+    whose probabilities differ slightly from the trainer's.
+    """
+    if cap < 1:
+        raise ValueError(f"The importance-sampling cap must be >= 1 (1 disables the correction), got {cap}.")
+    mask = completion_mask.bool()
+    log_ratio = torch.where(mask, trainer_logps.detach() - sampler_logps.detach(), torch.zeros_like(trainer_logps))
+    return torch.exp(log_ratio.clamp(max=math.log(cap)))
+
+
+def scale_token_gradients(per_token_logps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The same values, with the gradient through each token multiplied by ``weights`` (treated as constants).
+
+    Weighting gradients rather than values keeps every loss value, the policy's group softmax ``p`` and therefore
+    TPO's fixed point ``p = q`` unchanged: the gradient on a completion is still ``(p_i - q_i)`` times its tokens'
+    (now weighted) log-prob gradients, and it vanishes when the policy matches the target.
+    """
+    weights = weights.detach().to(per_token_logps.dtype)
+    return per_token_logps + (weights - 1) * (per_token_logps - per_token_logps.detach())
 
 
 def tpo_target_diagnostics(

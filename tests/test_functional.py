@@ -221,6 +221,41 @@ def test_grpo_clipped_surrogate_closed_form():
     assert loss.item() == pytest.approx((-0.85 + 1.15) / 2, abs=1e-12)
 
 
+# ------------------------------------------------------------------------------------------------ importance sampling
+def test_truncated_importance_weights_closed_form():
+    trainer = t([[-1.0, -2.0, -0.1], [-3.0, -1.0, float("-inf")]])
+    sampler = t([[-1.5, -1.0, -5.0], [-3.0, -1.2, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    weights = F.truncated_importance_weights(trainer, sampler, mask, cap=2.0)
+    # exp(0.5), exp(-1), exp(4.9) capped at 2; exp(0), exp(0.2); a masked -inf position gets 1.
+    expected = t([[math.exp(0.5), math.exp(-1.0), 2.0], [1.0, math.exp(0.2), 1.0]])
+    assert torch.allclose(weights, expected, atol=1e-12)
+    assert not weights.requires_grad
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        F.truncated_importance_weights(trainer, sampler, mask, cap=0.5)
+
+
+def test_scaled_token_gradients_keep_values_and_the_fixed_point():
+    per_token = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]], dtype=torch.float64, requires_grad=True)
+    weights = t([[0.5, 2.0, 1.0], [1.5, 1.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    scaled = F.scale_token_gradients(per_token, weights)
+    assert torch.equal(scaled, per_token)  # the same values: loss, p and diagnostics do not change
+    sequence = F.sequence_logps(scaled, mask, length_normalize=True)
+    q = t([0.25, 0.75])
+    F.tpo_loss(sequence, q, 2).backward()
+    # d loss / d logp_t = (p - q) / G * w_t / n for the unmasked tokens of a completion of n tokens.
+    p = torch.softmax(sequence.detach(), dim=0)
+    expected = ((p - q) / t([3.0, 2.0])).unsqueeze(1) * weights * mask
+    assert torch.allclose(per_token.grad, expected)
+
+    # At the target (p = q) the weighted gradient still vanishes.
+    per_token.grad = None
+    sequence = F.sequence_logps(F.scale_token_gradients(per_token, weights), mask, length_normalize=True)
+    F.tpo_loss(sequence, torch.softmax(sequence.detach(), dim=0), 2).backward()
+    assert torch.allclose(per_token.grad, torch.zeros_like(per_token.grad))
+
+
 # ------------------------------------------------------------------------------------------------ diagnostics
 def test_target_diagnostics_closed_form():
     q = t([0.5, 0.5, 0.0, 0.9, 0.1, 0.0, 1 / 3, 1 / 3, 1 / 3])
