@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 LOSS_TYPES = ("tpo", "grpo")
+VLLM_MODES = ("server", "colocate")
 
 
 @dataclass
@@ -89,6 +90,54 @@ class GRPOConfig(TrainingArguments):
         },
     )
 
+    # --- vLLM rollouts ----------------------------------------------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate rollouts with vLLM (pip install 'targetpo[vllm]') instead of `model.generate`."},
+    )
+    vllm_mode: str = field(
+        default="server",
+        metadata={
+            "help": "'server': generate through a `targetpo-vllm-serve` process the user starts (other devices); "
+            "'colocate': an in-process vLLM engine sharing each training process's device.",
+            "choices": VLLM_MODES,
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Server mode: the server's URL, e.g. 'http://10.0.0.2:8000'. Overrides host and port."},
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: the server's host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up before failing."}
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={"help": "Colocate mode: fraction of the device's memory the engine may take (weights + KV cache)."},
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Colocate mode: devices one engine spans (tensor parallelism)."}
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Colocate mode: free the engine's memory during the optimiser step (where vLLM supports it)."},
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "Colocate mode: the engine's context length. Defaults to max_prompt_length + max_completion_length."},
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Weight each token's gradient by the truncated ratio of the trainer's to vLLM's sampling "
+            "probability, correcting for the small differences between the two implementations."
+        },
+    )
+    vllm_importance_sampling_cap: float = field(
+        default=2.0, metadata={"help": "Upper bound of the importance weights (>= 1)."}
+    )
+
     # --- Loss ---------------------------------------------------------------------------------------------------
     loss_type: str = field(
         default="grpo",
@@ -156,6 +205,17 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ValueError(f"num_completions_to_print must be >= 1 or None, got {self.num_completions_to_print}.")
+        if self.vllm_mode not in VLLM_MODES:
+            raise ValueError(f"vllm_mode must be one of {VLLM_MODES}, got {self.vllm_mode!r}.")
+        if self.vllm_importance_sampling_cap < 1:
+            raise ValueError(
+                f"vllm_importance_sampling_cap must be >= 1, got {self.vllm_importance_sampling_cap}; to switch the "
+                "correction off set vllm_importance_sampling_correction=False."
+            )
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
+        if self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.")
         if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
             raise ValueError(f"generation_kwargs must be a dict, got {type(self.generation_kwargs).__name__}.")
         if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):

@@ -12,7 +12,6 @@ One training micro-step reads as:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
@@ -41,7 +40,8 @@ from .distributed import (
     groups_span_processes,
     prepare_frozen_model,
 )
-from .generation import Completions, TransformersGenerator
+from .generation import Completions, TransformersGenerator, pad_completions
+from .generation.vllm_backend import export_for_engine
 from .modeling import (
     apply_peft,
     completion_logps,
@@ -51,6 +51,7 @@ from .modeling import (
     frozen_reference,
     is_peft_model,
     load_tokenizer,
+    merged_adapters,
     model_identifier,
 )
 from .reporting import RolloutTable, print_completions_table
@@ -192,6 +193,8 @@ class TargetPOTrainer(Trainer):
             repetition_penalty=args.repetition_penalty,
             generation_kwargs=args.generation_kwargs,
         )
+        self.vllm = self._build_vllm_generator(sorted(eos_ids)) if args.use_vllm else None
+        self._vllm_weights_step: int | None = None  # the optimiser step whose weights the engine holds
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
         # Tokens generation never samples get no probability in the trainer's log-probs either.
         suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
@@ -209,6 +212,57 @@ class TargetPOTrainer(Trainer):
         # Each process samples its own completions (a group split over processes must not repeat itself), and the
         # same seed still reproduces the same run.
         set_seed(args.seed, device_specific=True)
+
+    def _build_vllm_generator(self, eos_token_ids: list[int]) -> Any:
+        """The vLLM rollout backend: an engine in this process (colocate) or a client of a running server."""
+        from .generation.vllm_backend import sampling_settings
+
+        args = self.args
+        settings = sampling_settings(
+            max_tokens=args.max_completion_length,
+            eos_token_ids=eos_token_ids,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            generation_kwargs=args.generation_kwargs,
+        )
+        if args.vllm_mode == "server":
+            from .generation.vllm_client import VLLMServerGenerator
+
+            if not self.accelerator.is_main_process:
+                return None  # the main process generates every process's prompts
+            base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            client = VLLMServerGenerator(base_url, args.vllm_server_timeout, settings)
+            client.wait_for_server()
+            return client
+
+        from .generation.vllm_backend import VLLMColocateGenerator
+
+        engine_kwargs: dict[str, Any] = {}
+        if self.accelerator.num_processes > 1:
+            # One engine per training process, joining the processes' existing torch.distributed world.
+            engine_kwargs["distributed_executor_backend"] = "external_launcher"
+        policy = self.accelerator.unwrap_model(self.model)
+        max_model_len = args.vllm_max_model_length
+        if max_model_len is None and args.max_prompt_length is not None:
+            # Room for the longest prompt and completion, within what the model's positions allow.
+            max_model_len = args.max_prompt_length + args.max_completion_length
+            model_limit = getattr(policy.config, "max_position_embeddings", None)
+            max_model_len = min(max_model_len, model_limit) if model_limit else max_model_len
+        return VLLMColocateGenerator(
+            policy,
+            settings,
+            eos_token_ids,
+            self.processing_class.pad_token_id,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            seed=args.seed + self.accelerator.process_index,
+            **engine_kwargs,
+        )
 
     # ------------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
@@ -277,7 +331,7 @@ class TargetPOTrainer(Trainer):
         prompts = [row["prompt"] for row in rows]
         prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
         with self._generation_model() as generation_model:
-            completions = self.generator.generate(generation_model, prompt_ids, prompt_mask)
+            completions = self._generate(generation_model, prompt_ids, prompt_mask)
         completion_mask = completions.attention_mask.clone()
         if args.mask_truncated_completions:
             completion_mask[completions.truncated] = 0
@@ -308,6 +362,8 @@ class TargetPOTrainer(Trainer):
             "advantages": advantages_all[local],
             "sample_index": torch.arange(local.start, local.stop, device=device),
         }
+        if completions.sampler_logps is not None:
+            batch["sampler_per_token_logps"] = completions.sampler_logps
         if mode == "train" and self._needs_old_logps:
             batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
         if args.beta > 0:
@@ -352,7 +408,42 @@ class TargetPOTrainer(Trainer):
 
     def _generation_model(self):
         """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
-        return full_model_for_generation(self.accelerator, self.model_wrapped, self.args.ds3_gather_for_generation)
+        # vLLM takes the full weights whatever the setting: they are gathered for the push.
+        gather = self.args.ds3_gather_for_generation or self.args.use_vllm
+        return full_model_for_generation(self.accelerator, self.model_wrapped, gather)
+
+    def _generate(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        """One completion per prompt row, from ``model.generate`` or from vLLM holding the current weights."""
+        if not self.args.use_vllm:
+            return self.generator.generate(model, prompt_ids, prompt_mask)
+        # One seed per row from this process's generator: distinct samples, reproducible from `seed`.
+        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.size(0),)).tolist()
+        if self.args.vllm_mode == "colocate":
+            self.vllm.engine.wake_up()
+            self._push_weights_to_vllm(model)
+            completions = self.vllm.generate(prompt_ids, prompt_mask, seeds)
+            self.vllm.engine.sleep()
+            return completions
+        # Server mode: the main process sends every process's prompts in one request and hands back their shares.
+        self._push_weights_to_vllm(model)
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
+        generated = [self.vllm.generate(all_prompts, all_seeds) if self.accelerator.is_main_process else None]
+        token_ids, token_logps = broadcast_object_list(generated)[0]
+        local = self._local_slice(len(prompts))
+        return pad_completions(
+            token_ids[local], token_logps[local], self.processing_class.pad_token_id, self.generator.eos_token_ids,
+            prompt_ids.device,
+        )
+
+    def _push_weights_to_vllm(self, model: nn.Module) -> None:
+        """Give the engine the current weights, once per optimiser step (``model`` holds them in full)."""
+        if self._vllm_weights_step == self.state.global_step:
+            return
+        with merged_adapters(model):
+            if self.vllm is not None:  # in server mode only the main process holds a client
+                self.vllm.load_weights(export_for_engine(model))
+        self._vllm_weights_step = self.state.global_step
 
     def _decode(self, completions: Completions) -> tuple[list[str], list[list[int]]]:
         """Completion texts and token ids, each cut after its first EOS."""
@@ -438,11 +529,14 @@ class TargetPOTrainer(Trainer):
             suppressed_token_ids=self._suppressed_token_ids,
         )
         mask = inputs["completion_mask"]
+        policy_logps = per_token_logps
+        if mode == "train" and args.vllm_importance_sampling_correction and "sampler_per_token_logps" in inputs:
+            policy_logps = F.scale_token_gradients(per_token_logps, self._importance_weights(per_token_logps, inputs))
         if args.loss_type == "tpo":
-            loss = self._target_loss(per_token_logps, inputs, mode)
+            loss = self._target_loss(policy_logps, inputs, mode)
         else:
             old = inputs.get("old_per_token_logps", per_token_logps.detach())
-            loss = F.grpo_loss(per_token_logps, old, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
+            loss = F.grpo_loss(policy_logps, old, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
         if args.beta > 0:
             kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask)
             loss = loss + args.beta * kl
@@ -479,6 +573,19 @@ class TargetPOTrainer(Trainer):
         else:
             targets_all = gather(inputs["targets"])
         return F.tpo_loss(sequence_logps_all, targets_all, args.num_generations, valid_all)
+
+    def _importance_weights(self, per_token_logps: torch.Tensor, inputs: Batch) -> torch.Tensor:
+        """Truncated token weights ``min(p_trainer / p_vllm, cap)`` of a step batch, computed once and kept.
+
+        The trainer's side is its own rollout-time log-probs, the same ones ``p_old`` (and so ``q``) is built from.
+        """
+        if "importance_weights" not in inputs:
+            old = inputs.get("old_per_token_logps", per_token_logps.detach())
+            sampler, mask = inputs["sampler_per_token_logps"], inputs["completion_mask"]
+            weights = F.truncated_importance_weights(old, sampler, mask, self.args.vllm_importance_sampling_cap)
+            inputs["importance_weights"] = weights  # the rollout buffer's own entry: reused by later epochs
+            self._record_importance_weights(old, sampler, weights, mask)
+        return inputs["importance_weights"]
 
     def _groups_span_processes(self, mode: str) -> bool:
         per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
@@ -527,6 +634,19 @@ class TargetPOTrainer(Trainer):
         metrics["reward_std"].append(grouped.std(dim=1, unbiased=False).mean().item())
         informative = F.informative_groups(scores_all, self.args.num_generations, valid_all)
         metrics["tpo/informative_group_fraction"].append(informative.float().mean().item())
+
+    def _record_importance_weights(
+        self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+    ) -> None:
+        """How far vLLM's sampling log-probs are from the trainer's, and how much the correction reweights."""
+        on = mask.bool()
+        difference = torch.where(on, (trainer_logps - sampler_logps).abs(), torch.zeros_like(weights))
+        self._log_token_mean("train", "vllm/logp_abs_diff", difference, mask)
+        self._log_token_mean("train", "vllm/importance_weight_mean", weights, mask)
+        capped = (weights >= self.args.vllm_importance_sampling_cap).float()
+        self._log_token_mean("train", "vllm/importance_weight_capped_fraction", capped, mask)
+        lowest = torch.where(on, weights, torch.ones_like(weights)).min().reshape(1)
+        self._metrics["train"]["vllm/importance_weight_min"].append(self.accelerator.gather(lowest).min().item())
 
     def _record_targets(self, batch: Batch, mode: str) -> None:
         """The paper's diagnostics of a freshly built q over all processes, and q itself for the completions table."""
