@@ -18,6 +18,9 @@ import time
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# On the CPU vLLM sizes its KV cache from the memory this process does not use yet; several engines one after another
+# in one process need a fixed size instead (GiB).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
@@ -29,6 +32,7 @@ MODELS = {
     # name: (hidden size, layers, attention heads); head_dim 32 or 64, which vLLM's CPU attention accepts
     "demo": (64, 2, 2),
     "small": (256, 4, 4),
+    "medium": (512, 8, 8),
 }
 
 
