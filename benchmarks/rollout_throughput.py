@@ -26,7 +26,11 @@ import torch  # noqa: E402
 
 from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer  # noqa: E402
 from targetpo.generation import TransformersGenerator  # noqa: E402
-from targetpo.generation.vllm_backend import VLLMColocateGenerator, sampling_settings  # noqa: E402
+from targetpo.generation.vllm_backend import (  # noqa: E402
+    VLLMColocateGenerator,
+    export_for_engine,
+    sampling_settings,
+)
 
 MODELS = {
     # name: (hidden size, layers, attention heads); head_dim 32 or 64, which vLLM's CPU attention accepts
@@ -85,6 +89,7 @@ def main() -> None:
                 gpu_memory_utilization=0.2,
                 seed=0,
             )
+            vllm.load_weights(export_for_engine(model))  # the engine starts from placeholder weights
             seeds = list(range(rows))
             hf_rate, hf_tokens = tokens_per_second(
                 lambda ids, mask: hf.generate(model, ids, mask), encoded["input_ids"], encoded["attention_mask"],

