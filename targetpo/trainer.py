@@ -182,10 +182,7 @@ class TargetPOTrainer(Trainer):
         eos_ids = {tokenizer.eos_token_id}
         model_eos = getattr(generation_config, "eos_token_id", None)
         eos_ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos] if model_eos is not None else [])
-        self.generator = TransformersGenerator(
-            max_new_tokens=args.max_completion_length,
-            eos_token_ids=sorted(eos_ids),
-            pad_token_id=tokenizer.pad_token_id,
+        sampling = dict(
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
@@ -193,7 +190,10 @@ class TargetPOTrainer(Trainer):
             repetition_penalty=args.repetition_penalty,
             generation_kwargs=args.generation_kwargs,
         )
-        self.vllm = self._build_vllm_generator(sorted(eos_ids)) if args.use_vllm else None
+        self.generator = TransformersGenerator(
+            args.max_completion_length, sorted(eos_ids), tokenizer.pad_token_id, **sampling
+        )
+        self.vllm = self._build_vllm_generator(sorted(eos_ids), sampling) if args.use_vllm else None
         self._vllm_weights_step: int | None = None  # the optimiser step whose weights the engine holds
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
         # Tokens generation never samples get no probability in the trainer's log-probs either.
@@ -213,21 +213,12 @@ class TargetPOTrainer(Trainer):
         # same seed still reproduces the same run.
         set_seed(args.seed, device_specific=True)
 
-    def _build_vllm_generator(self, eos_token_ids: list[int]) -> Any:
+    def _build_vllm_generator(self, eos_token_ids: list[int], sampling: dict[str, Any]) -> Any:
         """The vLLM rollout backend: an engine in this process (colocate) or a client of a running server."""
         from .generation.vllm_backend import sampling_settings
 
         args = self.args
-        settings = sampling_settings(
-            max_tokens=args.max_completion_length,
-            eos_token_ids=eos_token_ids,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            generation_kwargs=args.generation_kwargs,
-        )
+        settings = sampling_settings(max_tokens=args.max_completion_length, eos_token_ids=eos_token_ids, **sampling)
         if args.vllm_mode == "server":
             from .generation.vllm_client import VLLMServerGenerator
 
