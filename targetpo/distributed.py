@@ -48,6 +48,11 @@ def _uses_fsdp(accelerator: Any) -> bool:
     return getattr(accelerator.state, "fsdp_plugin", None) is not None
 
 
+def shards_parameters(accelerator: Any) -> bool:
+    """Whether each process holds only a shard of every weight (ZeRO-3, FSDP)."""
+    return _deepspeed_zero_stage(accelerator) == 3 or _uses_fsdp(accelerator)
+
+
 def check_engine_supported(accelerator: Any) -> None:
     """Refuse engines whose sharded weights rollouts cannot use, before any work is done."""
     if _uses_fsdp(accelerator) and not accelerator.is_fsdp2:

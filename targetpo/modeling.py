@@ -139,6 +139,81 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tens
     return torch.cat(out)
 
 
+#: Config attributes that change logits after the output head; models with them take the full-logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def supports_chunked_head(model: nn.Module) -> bool:
+    """Whether the model's logits are exactly ``output_embeddings(last hidden state)``, so they can be computed a
+    chunk of positions at a time from the hidden states (PEFT and distributed wrappers are looked through)."""
+    model = getattr(model, "module", model)  # DDP
+    if is_peft_model(model):
+        model = model.get_base_model()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if not isinstance(head, nn.Module) or config is None:
+        return False
+    return all(getattr(config, name, None) in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS)
+
+
+def _output_head(model: nn.Module) -> nn.Module:
+    model = getattr(model, "module", model)
+    return model.get_output_embeddings()  # a PEFT model forwards this to its (adapted) base model
+
+
+def _head_logps_and_entropy(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token log-probs and entropies of a chunk of positions: ``(N, H)`` hidden states -> two ``(N,)``."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
+        logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
+    logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    with torch.no_grad():  # a metric
+        entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1)
+    return logps, entropy
+
+
+def _chunked_head_logps(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    token_ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
+
+    Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and, through activation
+    checkpointing, in the backward pass too; positions outside ``mask`` are skipped and read as 0.
+    """
+    hidden_rows, token_rows = hidden[mask], token_ids[mask]
+    logps, entropies = [], []
+    for start in range(0, hidden_rows.size(0), chunk_size):
+        part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
+        if torch.is_grad_enabled() and hidden_rows.requires_grad:
+            # Recompute the chunk's logits in backward instead of keeping them: the point of chunking.
+            chunk_logps, chunk_entropy = torch.utils.checkpoint.checkpoint(
+                _head_logps_and_entropy, head, *part, temperature, suppressed_token_ids, use_reentrant=False
+            )
+        else:
+            chunk_logps, chunk_entropy = _head_logps_and_entropy(head, *part, temperature, suppressed_token_ids)
+        logps.append(chunk_logps)
+        entropies.append(chunk_entropy)
+    flat_logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    flat_entropy = torch.cat(entropies) if entropies else hidden.new_zeros(0, dtype=torch.float32)
+    full_logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_logps)
+    full_entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_entropy)
+    return full_logps, full_entropy
+
+
 def completion_logps(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -149,6 +224,7 @@ def completion_logps(
     with_entropy: bool = False,
     use_position_ids: bool = True,
     suppressed_token_ids: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
 
@@ -157,6 +233,11 @@ def completion_logps(
     model whose forward takes none; see :func:`forward_accepts_position_ids`). Logits are divided by the sampling
     temperature, and tokens that generation suppresses get no probability, so the log-probs are those of the
     distribution that was sampled from.
+
+    With ``chunk_size`` (for models where :func:`supports_chunked_head`), the ``(B, C, V)`` logits are never
+    materialised: the output head runs on ``chunk_size`` completion positions at a time, padding positions are
+    skipped (their log-probs read 0), and the backward pass recomputes each chunk. Otherwise the model computes the
+    completion positions' logits in one piece.
     """
     completion_length = completion_ids.size(1)
     first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
@@ -170,16 +251,29 @@ def completion_logps(
     inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if use_position_ids:
         inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    # Logits for the positions that predict completion tokens only: the prompt's logits are never needed.
-    logits = model(**inputs, logits_to_keep=last_completion_column + 1, use_cache=False).logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
-        logits = logits.index_fill(-1, suppressed_token_ids.to(logits.device), float("-inf"))
-
     kept_ids = completion_ids[:, :last_completion_column]
-    logps = selective_log_softmax(logits, kept_ids)
-    entropies = entropy_from_logits(logits) if with_entropy else None
+    if suppressed_token_ids is not None:
+        suppressed_token_ids = suppressed_token_ids.to(input_ids.device)
+
+    if chunk_size is not None:
+        # Through the (possibly wrapped) model, so distributed wrappers see the forward pass; it computes one
+        # position's logits, and the head then runs chunk by chunk on the final hidden states.
+        outputs = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+        hidden = outputs.hidden_states[-1][:, -(last_completion_column + 1) : -1]
+        kept_mask = completion_attention_mask[:, :last_completion_column].bool()
+        logps, entropies = _chunked_head_logps(
+            _output_head(model), hidden, kept_ids, kept_mask, temperature, suppressed_token_ids, chunk_size
+        )
+        entropies = entropies if with_entropy else None
+    else:
+        # Logits for the positions that predict completion tokens only: the prompt's logits are never needed.
+        logits = model(**inputs, logits_to_keep=last_completion_column + 1, use_cache=False).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
+            logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
+        logps = selective_log_softmax(logits, kept_ids)
+        entropies = entropy_from_logits(logits) if with_entropy else None
     # Put back the cut right-hand columns (they are masked everywhere) so shapes match the completion tensors.
     pad = completion_length - last_completion_column
     if pad > 0:

@@ -39,6 +39,7 @@ from .distributed import (
     full_model_for_generation,
     groups_span_processes,
     prepare_frozen_model,
+    shards_parameters,
 )
 from .generation import Completions, TransformersGenerator, pad_completions
 from .generation.vllm_backend import export_for_engine
@@ -53,6 +54,7 @@ from .modeling import (
     load_tokenizer,
     merged_adapters,
     model_identifier,
+    supports_chunked_head,
 )
 from .reporting import RolloutTable, print_completions_table
 from .rewards import RewardFunc, RewardScorer
@@ -196,6 +198,9 @@ class TargetPOTrainer(Trainer):
         self.vllm = self._build_vllm_generator(sorted(eos_ids), sampling) if args.use_vllm else None
         self._vllm_weights_step: int | None = None  # the optimiser step whose weights the engine holds
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
+        # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
+        chunkable = supports_chunked_head(self.model) and not shards_parameters(self.accelerator)
+        self._logps_chunk_size = args.logps_chunk_size if chunkable else None
         # Tokens generation never samples get no probability in the trainer's log-probs either.
         suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
         self._suppressed_token_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=self.accelerator.device)
@@ -486,6 +491,7 @@ class TargetPOTrainer(Trainer):
                 temperature=self.args.temperature,
                 use_position_ids=self._use_position_ids,
                 suppressed_token_ids=self._suppressed_token_ids,
+                chunk_size=self._logps_chunk_size,
             )
             parts.append(logps)
         return torch.cat(parts)
@@ -518,6 +524,7 @@ class TargetPOTrainer(Trainer):
             with_entropy=True,
             use_position_ids=self._use_position_ids,
             suppressed_token_ids=self._suppressed_token_ids,
+            chunk_size=self._logps_chunk_size,
         )
         mask = inputs["completion_mask"]
         policy_logps = per_token_logps

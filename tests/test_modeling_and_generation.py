@@ -2,10 +2,16 @@
 
 import math
 
+import pytest
 import torch
 
 from targetpo.generation import TransformersGenerator, completion_masks
-from targetpo.modeling import completion_logps, entropy_from_logits, forward_accepts_position_ids
+from targetpo.modeling import (
+    completion_logps,
+    entropy_from_logits,
+    forward_accepts_position_ids,
+    supports_chunked_head,
+)
 
 
 def test_completion_masks_stop_after_first_eos():
@@ -72,6 +78,57 @@ def test_suppressed_tokens_get_no_probability(tiny_model):
         expected = _naive_logps(tiny_model, [7, 8, 9], [5, 6, 6], suppressed=suppressed)
     assert torch.allclose(logps[0].double(), expected, atol=1e-5)
     assert torch.all(entropies <= math.log(2) + 1e-6) and torch.isfinite(entropies).all()
+
+
+def _padded_batch(generator):
+    prompt_ids = torch.randint(3, 60, (4, 6), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :3] = 0  # left padding
+    prompt_mask[2, :1] = 0
+    completion_ids = torch.randint(3, 60, (4, 7), generator=generator)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 4:] = 0  # right padding: shorter completions
+    completion_mask[2, 2:] = 0
+    completion_mask[3, 6:] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_chunked_logps_equal_the_full_logits_path(tiny_model, dtype, atol, chunk_size):
+    model = tiny_model.to(dtype)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _padded_batch(torch.Generator().manual_seed(0))
+    kwargs = dict(temperature=0.7, with_entropy=True, suppressed_token_ids=torch.tensor([4, 9, 11]))
+    mask = completion_mask.bool()
+    weights = torch.rand(completion_mask.shape, generator=torch.Generator().manual_seed(1)) * completion_mask
+
+    results = {}
+    for name, size in (("full", None), ("chunked", chunk_size)):
+        model.zero_grad()
+        logps, entropies = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            chunk_size=size, **kwargs)
+        (torch.where(mask, logps, torch.zeros_like(logps)) * weights).sum().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        results[name] = (logps.detach(), entropies, grads)
+
+    (full_logps, full_entropy, full_grads), (logps, entropies, grads) = results["full"], results["chunked"]
+    assert logps.dtype == torch.float32 and logps.shape == completion_ids.shape
+    assert torch.allclose(logps[mask], full_logps[mask], atol=atol)
+    assert torch.allclose(entropies[mask], full_entropy[mask], atol=atol)
+    assert torch.equal(logps[~mask], torch.zeros_like(logps[~mask]))  # padding positions are skipped, read as 0
+    assert torch.allclose(grads, full_grads, atol=atol * max(1.0, full_grads.abs().max().item()))
+
+    # Without autograd (old and reference log-probs) the values are the same.
+    with torch.no_grad():
+        no_grad_logps, _ = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            chunk_size=chunk_size, **kwargs)
+    assert torch.equal(no_grad_logps, logps)
+
+
+def test_chunked_head_only_where_logits_are_the_plain_head_output(tiny_model):
+    assert supports_chunked_head(tiny_model)
+    tiny_model.config.final_logit_softcapping = 30.0  # logits post-processed after the head: not chunkable
+    assert not supports_chunked_head(tiny_model)
 
 
 def test_entropy_of_uniform_and_peaked_logits():
