@@ -81,12 +81,12 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Extra `GenerationConfig` settings for rollouts (JSON), e.g. '{\"suppress_tokens\": [3]}'."},
     )
-    logps_chunk_size: int | None = field(
+    logps_chunk_size: int = field(
         default=512,
         metadata={
             "help": "Compute token log-probs from the final hidden states this many completion positions at a time, "
-            "never materialising the (batch, length, vocab) logits, and skip padding positions. None: one full "
-            "logits tensor (always the case under ZeRO-3/FSDP2 and for models whose logits are post-processed)."
+            "never materialising the (batch, length, vocab) logits, and skip padding positions. 0: one full logits "
+            "tensor (always the case under ZeRO-3/FSDP2 and for models whose logits are post-processed)."
         },
     )
     ds3_gather_for_generation: bool = field(
@@ -213,8 +213,8 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ValueError(f"num_completions_to_print must be >= 1 or None, got {self.num_completions_to_print}.")
-        if self.logps_chunk_size is not None and self.logps_chunk_size < 1:
-            raise ValueError(f"logps_chunk_size must be >= 1 or None, got {self.logps_chunk_size}.")
+        if self.logps_chunk_size < 0:
+            raise ValueError(f"logps_chunk_size must be >= 0 (0 disables chunking), got {self.logps_chunk_size}.")
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode must be one of {VLLM_MODES}, got {self.vllm_mode!r}.")
         if self.vllm_importance_sampling_cap < 1:

@@ -200,7 +200,7 @@ class TargetPOTrainer(Trainer):
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
         chunkable = supports_chunked_head(self.model) and not shards_parameters(self.accelerator)
-        self._logps_chunk_size = args.logps_chunk_size if chunkable else None
+        self._logps_chunk_size = (args.logps_chunk_size or None) if chunkable else None
         # Tokens generation never samples get no probability in the trainer's log-probs either.
         suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
         self._suppressed_token_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=self.accelerator.device)
