@@ -43,10 +43,10 @@ def make_batch(total_rows, with_invalid, seed=0):
     return prompt_ids, prompt_mask, completion_ids, completion_mask, old_sequence_logps, scores
 
 
-def loss_and_sequence_logps(model, rows, normalize, span):
+def loss_and_sequence_logps(model, rows, normalize, span, chunk_size=None):
     """The trainer's computation: local sequence log-probs, gathered when groups span processes, then the loss."""
     prompt_ids, prompt_mask, completion_ids, completion_mask, old_sequence_logps, scores = rows
-    per_token, _ = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    per_token, _ = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size=chunk_size)
     sequence = F.sequence_logps(per_token, completion_mask, normalize)
     sequence.retain_grad()
     valid = completion_mask.any(dim=1)
@@ -70,7 +70,9 @@ def gradient_worker(rank, world_size, port, out_dir):
         share = [t[rank * per_device : (rank + 1) * per_device] for t in batch]
         model = DistributedDataParallel(tiny_model())
         span = groups_span_processes(per_device, NUM_GENERATIONS, world_size)
-        loss, sequence = loss_and_sequence_logps(model, share, normalize, span)
+        # The chunked log-prob path (the trainer's default) through DDP; the single-process reference uses one
+        # full logits tensor, so the comparison also covers the output head running outside DDP's forward.
+        loss, sequence = loss_and_sequence_logps(model, share, normalize, span, chunk_size=3)
         loss.backward()
         torch.save(
             {
