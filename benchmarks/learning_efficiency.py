@@ -5,7 +5,8 @@ The task is the paper's: reverse a binary string of length H; the reward is 1 on
 and '1' can be emitted, so every completion has exactly H tokens and a random policy succeeds 2^-H of the time.
 Each run trains the embedded demo model from scratch with K = 8 completions for 16 prompts per step. targetpo's TPO
 and GRPO runs are paired: same seed, same rollout code, only `loss_type` differs. TRL runs with the same settings
-and its defaults otherwise. The success rate is the mean reward of the sampled completions, logged every
+and its defaults otherwise, except bf16 and gradient checkpointing, which its config turns on
+and targetpo's does not (both run float32 without checkpointing). The success rate is the mean reward of the sampled completions, logged every
 `--log_every` steps. Results are appended to the JSON file after every run, so an interrupted sweep keeps what it
 finished; `--plot_only` redraws the figure and table from that file.
 
@@ -75,7 +76,8 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
     if method == "trl-grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        trainer = GRPOTrainer(args=GRPOConfig(**settings), **common)
+        # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
+        trainer = GRPOTrainer(args=GRPOConfig(bf16=False, gradient_checkpointing=False, **settings), **common)
     else:
         loss_type = "tpo" if method == "targetpo-tpo" else "grpo"
         trainer = TargetPOTrainer(args=TargetPOConfig(loss_type=loss_type, **settings), **common)

@@ -41,6 +41,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def current_rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Build the model and batch, then run one variant's forward + backward; return its memory above the baseline."""
     import gc
@@ -93,6 +99,8 @@ def measure(args: argparse.Namespace) -> dict:
                 output_dir="/tmp/trl_memory_benchmark", per_device_train_batch_size=args.batch_size,
                 num_generations=args.batch_size, max_completion_length=args.completion_length, report_to="none",
                 use_cpu=True,
+                bf16=False,  # TRL's default is bf16 autocast; every variant here runs float32
+                gradient_checkpointing=False,
             ),
             train_dataset=Dataset.from_dict({"prompt": ["x"] * 16}),
             processing_class=_any_tokenizer(args.vocab_size),
@@ -106,7 +114,7 @@ def measure(args: argparse.Namespace) -> dict:
             return logps, entropy
 
     gc.collect()
-    baseline = peak_rss_mb()
+    baseline = current_rss_mb()  # what the process holds now (its earlier peak may have been higher)
     logps, _ = run()
     logps.sum().backward()
     return {"variant": args.variant, "peak_above_baseline_mb": round(peak_rss_mb() - baseline, 1)}

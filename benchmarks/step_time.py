@@ -106,7 +106,10 @@ def run_trl(args, num_iterations, dataset) -> list[float]:
     trainer = GRPOTrainer(
         model=build_tiny_causal_lm(tokenizer, seed=0),
         reward_funcs=exact_reversal_reward,
-        args=GRPOConfig(**shared_settings(args, num_iterations, "/tmp/step_time_trl")),
+        # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
+        args=GRPOConfig(
+            bf16=False, gradient_checkpointing=False, **shared_settings(args, num_iterations, "/tmp/step_time_trl")
+        ),
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[timer],

@@ -237,7 +237,7 @@ def truncated_importance_weights(
     whose probabilities differ slightly from the trainer's.
     """
     if cap < 1:
-        raise ValueError(f"The importance-sampling cap must be >= 1 (1 disables the correction), got {cap}.")
+        raise ValueError(f"The importance-sampling cap must be >= 1, got {cap}.")
     mask = completion_mask.bool()
     log_ratio = torch.where(mask, trainer_logps.detach() - sampler_logps.detach(), torch.zeros_like(trainer_logps))
     return torch.exp(log_ratio.clamp(max=math.log(cap)))

@@ -140,7 +140,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tens
 
 
 #: Config attributes that change logits after the output head; models with them take the full-logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 def supports_chunked_head(model: nn.Module) -> bool:
@@ -153,7 +153,13 @@ def supports_chunked_head(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     if not isinstance(head, nn.Module) or config is None:
         return False
-    return all(getattr(config, name, None) in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS)
+    configs = {id(config): config}
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if text_config is not None:
+        configs[id(text_config)] = text_config  # composite models keep the language model's settings here
+    return all(
+        getattr(each, name, None) in (None, 1, 1.0) for each in configs.values() for name in _LOGIT_TRANSFORMS
+    )
 
 
 def _output_head(model: nn.Module) -> nn.Module:

@@ -193,9 +193,25 @@ class TargetPOTrainer(Trainer):
             generation_kwargs=args.generation_kwargs,
         )
         self.generator = TransformersGenerator(
-            args.max_completion_length, sorted(eos_ids), tokenizer.pad_token_id, **sampling
+            args.max_completion_length,
+            sorted(eos_ids),
+            tokenizer.pad_token_id,
+            synced_gpus=shards_parameters(self.accelerator) and self.accelerator.num_processes > 1,
+            **sampling,
         )
         self.vllm = self._build_vllm_generator(sorted(eos_ids), sampling) if args.use_vllm else None
+        self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
+        reshaped = args.top_p < 1 or args.top_k > 0 or bool(args.min_p) or args.repetition_penalty != 1
+        if self._importance_sampling and reshaped:
+            # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
+            # their ratio would measure the truncation, not an implementation mismatch.
+            warnings.warn(
+                "vllm_importance_sampling_correction is switched off: with top_p, top_k, min_p or repetition_penalty "
+                "the engine's sampling log-probs include that reshaping and the trainer's do not, so the weights would "
+                "shrink every gradient. Sample without them to use the correction.",
+                stacklevel=2,
+            )
+            self._importance_sampling = False
         self._vllm_weights_step: int | None = None  # the optimiser step whose weights the engine holds
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
@@ -237,6 +253,13 @@ class TargetPOTrainer(Trainer):
         from .generation.vllm_backend import VLLMColocateGenerator
 
         engine_kwargs: dict[str, Any] = {}
+        if self.accelerator.num_processes > 1 and args.vllm_tensor_parallel_size > 1:
+            # The processes of one tensor-parallel engine would have to submit identical requests.
+            raise ValueError(
+                "vllm_tensor_parallel_size > 1 in colocate mode is supported with one training process only; with "
+                f"{self.accelerator.num_processes} processes use vllm_tensor_parallel_size=1 (one engine per process) "
+                "or vllm_mode='server'."
+            )
         if self.accelerator.num_processes > 1:
             # One engine per training process, joining the processes' existing torch.distributed world.
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
@@ -304,6 +327,7 @@ class TargetPOTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any):
         self._buffer = None  # a (resumed) run starts with a fresh rollout
+        self._vllm_weights_step = None  # and pushes its weights before it
         return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ rollout
@@ -424,13 +448,29 @@ class TargetPOTrainer(Trainer):
         self._push_weights_to_vllm(model)
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
-        generated = [self.vllm.generate(all_prompts, all_seeds) if self.accelerator.is_main_process else None]
-        token_ids, token_logps = broadcast_object_list(generated)[0]
+        reply: list[Any] = [None]
+        if self.accelerator.is_main_process:
+            try:
+                reply = [self.vllm.generate(all_prompts, all_seeds)]
+            except Exception as error:  # handed to every process, which would otherwise wait for the reply forever
+                reply = [error]
+        reply = broadcast_object_list(reply)[0]
+        if isinstance(reply, Exception):
+            raise reply
+        token_ids, token_logps = reply
         local = self._local_slice(len(prompts))
         return pad_completions(
             token_ids[local], token_logps[local], self.processing_class.pad_token_id, self.generator.eos_token_ids,
             prompt_ids.device,
         )
+
+    def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_checkpoint(*args, **kwargs)
+        self._vllm_weights_step = None  # new weights that came without an optimiser step
+
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_best_model(*args, **kwargs)
+        self._vllm_weights_step = None
 
     def _push_weights_to_vllm(self, model: nn.Module) -> None:
         """Give the engine the current weights, once per optimiser step (``model`` holds them in full)."""
@@ -528,7 +568,7 @@ class TargetPOTrainer(Trainer):
         )
         mask = inputs["completion_mask"]
         policy_logps = per_token_logps
-        if mode == "train" and args.vllm_importance_sampling_correction and "sampler_per_token_logps" in inputs:
+        if mode == "train" and self._importance_sampling and "sampler_per_token_logps" in inputs:
             policy_logps = F.scale_token_gradients(per_token_logps, self._importance_weights(per_token_logps, inputs))
         if args.loss_type == "tpo":
             loss = self._target_loss(policy_logps, inputs, mode)

@@ -205,8 +205,13 @@ def vllm_server(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
-def test_server_mode_trains_through_the_server_and_pushes_weights(tmp_path, vllm_server):
+def test_server_mode_trains_through_the_server_and_pushes_weights(tmp_path, vllm_server, monkeypatch):
     from importlib.metadata import entry_points
+
+    import targetpo.generation.vllm_client as client_module
+
+    # Small chunks split the tiny model, fused layers included, over many requests: the update must still land whole.
+    monkeypatch.setattr(client_module, "WEIGHT_CHUNK_BYTES", 16 * 1024)
 
     assert entry_points(group="console_scripts", name="targetpo-vllm-serve")  # the documented command exists
 

@@ -27,8 +27,12 @@ class TransformersGenerator:
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
         generation_kwargs: dict[str, Any] | None = None,
+        synced_gpus: bool = False,
     ):
         self.eos_token_ids = list(eos_token_ids)
+        # With sharded weights every forward pass is a collective: a process whose completions all ended must keep
+        # stepping until every process's have.
+        self.synced_gpus = synced_gpus
         settings: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,
             do_sample=True,
@@ -52,7 +56,10 @@ class TransformersGenerator:
         try:
             with _without_checkpoint_sampling_defaults(model):
                 output = model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=self.generation_config,
+                    synced_gpus=self.synced_gpus,
                 )
         finally:
             model.train(was_training)

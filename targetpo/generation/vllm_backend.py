@@ -85,10 +85,14 @@ class WeightLoaderExtension:
     Bytes cross any vLLM executor (in-process or worker processes); tensors do not.
     """
 
-    def load_safetensors_bytes(self, data: bytes) -> int:
+    def load_safetensors_bytes(self, chunks: list[bytes]) -> int:
         from safetensors.torch import load
 
-        weights = load(data)
+        weights: dict[str, torch.Tensor] = {}
+        for chunk in chunks:
+            weights.update(load(chunk))
+        # One reload for the whole model: a reload that gets only part of a fused layer's weights (q without k and v)
+        # would fill the rest of that layer with uninitialised memory.
         self.reload_weights(weights_iterator=list(weights.items()))
         return len(weights)
 
@@ -157,9 +161,9 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         self.llm.reset_prefix_cache()  # cached prompt activations came from the old weights
 
-    def load_safetensors_bytes(self, data: bytes) -> int:
-        """Like :meth:`load_weights`, for weights serialised with ``safetensors.torch.save``."""
-        loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(data,))
+    def load_safetensors_bytes(self, chunks: list[bytes]) -> int:
+        """Like :meth:`load_weights`, for the whole model serialised with ``safetensors.torch.save`` in chunks."""
+        loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(list(chunks),))
         self.llm.reset_prefix_cache()
         return int(loaded[0])
 
@@ -179,7 +183,14 @@ def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     The tensors share storage with the model: use them before the weights change (or the adapters are unmerged).
     """
     weights = []
-    for name, tensor in model.state_dict().items():
+    # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
+    # state-dict hook would hand back shards even while the parameters are gathered for the push.
+    tensors = list(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
+                tensors.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
+    for name, tensor in tensors:
         if "lora_" in name or ".original_module." in name:
             continue
         name = name.removeprefix("base_model.model.")

@@ -57,7 +57,8 @@ class VLLMServerGenerator:
         return reply["completion_ids"], reply["logprobs"]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Send the weights (Hugging Face names) in chunks of at most :data:`WEIGHT_CHUNK_BYTES`."""
+        """Send the weights (Hugging Face names) in chunks of at most :data:`WEIGHT_CHUNK_BYTES`, then apply them
+        all at once (the engine must never see part of a fused layer's weights)."""
         from safetensors.torch import save
 
         chunk: dict[str, torch.Tensor] = {}
@@ -72,6 +73,7 @@ class VLLMServerGenerator:
             size += tensor.nbytes
         if chunk:
             self._post("/update_weights", content=save(chunk))
+        self._post("/apply_weights")
 
     def close(self) -> None:
         self._http.close()

@@ -6,8 +6,8 @@ Start it on the devices reserved for generation, then train on the others::
     CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6 accelerate launch --num_processes 7 train.py --use_vllm --vllm_mode server
 
 Endpoints: ``GET /health``; ``POST /generate`` (JSON: token-id prompts, one seed each, sampling settings) returning
-completion token ids and their sampling log-probs; ``POST /update_weights`` (a safetensors-serialised chunk of the
-policy's weights, Hugging Face names).
+completion token ids and their sampling log-probs; ``POST /update_weights`` (stage a safetensors-serialised chunk of
+the policy's weights, Hugging Face names) and ``POST /apply_weights`` (load every staged chunk at once).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at run time.
@@ -52,11 +52,19 @@ def build_app(engine: VLLMEngine) -> Any:
             raise HTTPException(400, str(error)) from error
         return {"completion_ids": completion_ids, "logprobs": logprobs}
 
+    staged: list[bytes] = []  # chunks of the next weight update, loaded together by /apply_weights
+
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, int]:
-        data = await request.body()
+        staged.append(await request.body())
+        return {"staged_chunks": len(staged)}
+
+    @app.post("/apply_weights")
+    async def apply_weights() -> dict[str, int]:
+        chunks = list(staged)
+        staged.clear()
         try:
-            loaded = await run_in_threadpool(locked, engine.load_safetensors_bytes, data)
+            loaded = await run_in_threadpool(locked, engine.load_safetensors_bytes, chunks)
         except Exception as error:  # a malformed chunk, or names the model does not have
             raise HTTPException(400, f"Could not load the weights: {type(error).__name__}: {error}") from error
         return {"loaded": loaded}
