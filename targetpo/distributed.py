@@ -77,10 +77,31 @@ def prepare_frozen_model(accelerator: Any, model: nn.Module, micro_batch_size: i
         engine.eval()
         return engine
     if _uses_fsdp(accelerator):
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        return fsdp2_prepare_model(accelerator, model)
+        plugin = accelerator.state.fsdp_plugin
+        return fsdp2_shard_frozen(model, plugin.mixed_precision_policy, plugin.cpu_offload)
     return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def fsdp2_shard_frozen(model: nn.Module, mp_policy: Any = None, offload_policy: Any = None) -> nn.Module:
+    """Shard a frozen model with FSDP2: one unit per block its class declares unsplittable, plus the root.
+
+    Not accelerate's preparation, which would also fix the shared plugin's wrap policy to this model's layer classes
+    before the policy is wrapped (a reward model of another architecture would then decide how the policy is cut).
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = {
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy if isinstance(offload_policy, OffloadPolicy) else OffloadPolicy(),
+    }
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules())[1:]:
+        if type(module).__name__ in block_classes and not isinstance(module, FSDPModule):
+            fully_shard(module, **options)
+    fully_shard(model, **options)
+    # FSDP2 leaves the root's weights gathered after forward, for the backward pass a frozen model never runs.
+    model.set_reshard_after_forward(True)
+    return model
 
 
 def _deepspeed_frozen_config(accelerator: Any, micro_batch_size: int) -> dict[str, Any]:

@@ -173,6 +173,7 @@ def _head_logps_and_entropy(
     token_ids: torch.Tensor,
     temperature: float,
     suppressed_token_ids: torch.Tensor | None,
+    with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropies of a chunk of positions: ``(N, H)`` hidden states -> two ``(N,)``."""
     logits = head(hidden).float()
@@ -181,6 +182,8 @@ def _head_logps_and_entropy(
     if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
         logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
     logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not with_entropy:
+        return logps, torch.zeros_like(logps)
     with torch.no_grad():  # a metric
         entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1)
     return logps, entropy
@@ -194,6 +197,7 @@ def _chunked_head_logps(
     temperature: float,
     suppressed_token_ids: torch.Tensor | None,
     chunk_size: int,
+    with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
 
@@ -207,10 +211,13 @@ def _chunked_head_logps(
         if torch.is_grad_enabled() and hidden_rows.requires_grad:
             # Recompute the chunk's logits in backward instead of keeping them: the point of chunking.
             chunk_logps, chunk_entropy = torch.utils.checkpoint.checkpoint(
-                _head_logps_and_entropy, head, *part, temperature, suppressed_token_ids, use_reentrant=False
+                _head_logps_and_entropy, head, *part, temperature, suppressed_token_ids, with_entropy,
+                use_reentrant=False,
             )
         else:
-            chunk_logps, chunk_entropy = _head_logps_and_entropy(head, *part, temperature, suppressed_token_ids)
+            chunk_logps, chunk_entropy = _head_logps_and_entropy(
+                head, *part, temperature, suppressed_token_ids, with_entropy
+            )
         logps.append(chunk_logps)
         entropies.append(chunk_entropy)
     flat_logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
@@ -268,7 +275,7 @@ def completion_logps(
         hidden = outputs.hidden_states[-1][:, -(last_completion_column + 1) : -1]
         kept_mask = completion_attention_mask[:, :last_completion_column].bool()
         logps, entropies = _chunked_head_logps(
-            _output_head(model), hidden, kept_ids, kept_mask, temperature, suppressed_token_ids, chunk_size
+            _output_head(model), hidden, kept_ids, kept_mask, temperature, suppressed_token_ids, chunk_size, with_entropy
         )
         entropies = entropies if with_entropy else None
     else:

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from targetpo import functional as F
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
-from targetpo.distributed import all_gather_with_grad, fsdp2_unsharded, groups_span_processes
+from targetpo.distributed import all_gather_with_grad, fsdp2_shard_frozen, fsdp2_unsharded, groups_span_processes
 from targetpo.modeling import completion_logps
 
 NUM_GENERATIONS = 4
@@ -100,6 +100,18 @@ def fsdp2_generation_worker(rank, world_size, port, out_dir):
     prompt = torch.randint(3, 60, (3, 5), generator=torch.Generator().manual_seed(rank))  # different on each process
     expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
 
+    # A frozen copy (a reference model) sharded by the library, one unit per decoder layer plus the root.
+    frozen = tiny_model().requires_grad_(False).eval()
+    with torch.no_grad():
+        frozen_expected = frozen(prompt).logits
+    fsdp2_shard_frozen(frozen)
+    from torch.distributed.fsdp import FSDPModule
+
+    frozen_units = sum(isinstance(module, FSDPModule) for module in frozen.modules())
+    with torch.no_grad():
+        frozen_logits = frozen(prompt).logits
+    frozen_sharded = all(isinstance(p, DTensor) for p in frozen.parameters())
+
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -121,6 +133,10 @@ def fsdp2_generation_worker(rank, world_size, port, out_dir):
             "sharded_after": sharded_after,
             "sharded_after_step": sharded_after_step,
             "grads_are_shards": all(isinstance(p.grad, DTensor) for p in model.parameters()),
+            "frozen_units": frozen_units,
+            "frozen_layers": len(frozen.model.layers),
+            "frozen_sharded": frozen_sharded,
+            "frozen_logits_match": torch.allclose(frozen_logits, frozen_expected, atol=1e-5),
         },
         os.path.join(out_dir, f"fsdp2_rank{rank}.pt"),
     )

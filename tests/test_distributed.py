@@ -58,7 +58,7 @@ def test_each_process_gets_the_single_process_gradient(two_process_results, name
             assert torch.allclose(result["loss"], loss.detach(), atol=1e-6)
 
 
-def test_fsdp2_weights_are_gathered_once_for_generation(tmp_path):
+def test_fsdp2_generation_gather_and_frozen_model_sharding(tmp_path):
     """Real FSDP2 (torch's fully_shard) on two gloo processes: accelerate itself enables FSDP on accelerators only."""
     mp.spawn(fsdp2_generation_worker, args=(WORLD_SIZE, free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
     for rank in range(WORLD_SIZE):
@@ -68,6 +68,9 @@ def test_fsdp2_weights_are_gathered_once_for_generation(tmp_path):
         assert result["full_after_generating"]
         assert torch.equal(result["generated"], result["expected"])
         assert result["sharded_after"] and result["sharded_after_step"] and result["grads_are_shards"]
+        # A frozen model sharded for the same engine: one unit per decoder layer and the root, same outputs.
+        assert result["frozen_sharded"] and result["frozen_units"] == result["frozen_layers"] + 1
+        assert result["frozen_logits_match"]
 
 
 def test_fsdp_version_1_is_refused_with_the_fix():

@@ -6,6 +6,7 @@ timeout test needs no engine.
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -192,13 +193,14 @@ def vllm_server(tmp_path):
         [sys.executable, "-m", "targetpo.generation.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
          "--port", str(port), "--dtype", "float32"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        start_new_session=True,  # its own process group: the engine's helper processes go down with it
     )
     yield port
-    server.terminate()
+    os.killpg(server.pid, signal.SIGTERM)
     try:
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        server.kill()
+        os.killpg(server.pid, signal.SIGKILL)
     log.close()
 
 
