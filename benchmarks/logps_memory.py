@@ -67,7 +67,6 @@ def measure(args: argparse.Namespace) -> dict:
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
 
-    run = None
     if args.variant == "naive":
 
         def run():

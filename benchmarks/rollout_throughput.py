@@ -80,7 +80,7 @@ def main() -> None:
             # EOS is never sampled, so both backends generate exactly max_new_tokens per completion.
             sampling = dict(temperature=1.0, generation_kwargs={"suppress_tokens": eos})
             hf = TransformersGenerator(max_new_tokens, eos, tokenizer.pad_token_id, **sampling)
-            vllm = VLLMColocateGenerator(
+            engine = VLLMColocateGenerator(
                 model,
                 sampling_settings(max_tokens=max_new_tokens, eos_token_ids=eos, **sampling),
                 eos,
@@ -89,14 +89,14 @@ def main() -> None:
                 gpu_memory_utilization=0.2,
                 seed=0,
             )
-            vllm.load_weights(export_for_engine(model))  # the engine starts from placeholder weights
+            engine.load_weights(export_for_engine(model))  # the engine starts from placeholder weights
             seeds = list(range(rows))
             hf_rate, hf_tokens = tokens_per_second(
                 lambda ids, mask: hf.generate(model, ids, mask), encoded["input_ids"], encoded["attention_mask"],
                 args.repeats,
             )
             vllm_rate, vllm_tokens = tokens_per_second(
-                lambda ids, mask: vllm.generate(ids, mask, seeds), encoded["input_ids"], encoded["attention_mask"],
+                lambda ids, mask: engine.generate(ids, mask, seeds), encoded["input_ids"], encoded["attention_mask"],
                 args.repeats,
             )
             result = {
@@ -111,7 +111,6 @@ def main() -> None:
             }
             results.append(result)
             print(json.dumps(result), flush=True)
-            del vllm
     environment = {
         "torch": torch.__version__,
         "vllm": __import__("vllm").__version__,

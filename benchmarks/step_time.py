@@ -83,33 +83,15 @@ def shared_settings(args: argparse.Namespace, num_iterations: int, output_dir: s
     )
 
 
-def run_targetpo(args, num_iterations, dataset) -> list[float]:
+def timed_run(trainer_class, config_class, args, num_iterations, dataset, **config_overrides) -> list[float]:
+    """Train one trainer for ``args.steps`` steps; the seconds of every step after the warm-up."""
     tokenizer = reverse_task_tokenizer()
     timer = StepTimer()
-    trainer = TargetPOTrainer(
+    settings = shared_settings(args, num_iterations, f"/tmp/step_time_{trainer_class.__name__}")
+    trainer = trainer_class(
         model=build_tiny_causal_lm(tokenizer, seed=0),
         reward_funcs=exact_reversal_reward,
-        args=TargetPOConfig(**shared_settings(args, num_iterations, "/tmp/step_time_targetpo")),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[timer],
-    )
-    trainer.train()
-    return timer.seconds[args.warmup :]
-
-
-def run_trl(args, num_iterations, dataset) -> list[float]:
-    from trl import GRPOConfig, GRPOTrainer
-
-    tokenizer = reverse_task_tokenizer()
-    timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=build_tiny_causal_lm(tokenizer, seed=0),
-        reward_funcs=exact_reversal_reward,
-        # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
-        args=GRPOConfig(
-            bf16=False, gradient_checkpointing=False, **shared_settings(args, num_iterations, "/tmp/step_time_trl")
-        ),
+        args=config_class(**settings, **config_overrides),
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[timer],
@@ -119,14 +101,19 @@ def run_trl(args, num_iterations, dataset) -> list[float]:
 
 
 def main() -> None:
+    from trl import GRPOConfig, GRPOTrainer
+
     args = parse_args()
     dataset = reverse_task_dataset(args.reverse_length, num_prompts=4096, seed=0)
     results = []
     for num_iterations in args.num_iterations:
         seconds = {"targetpo": [], "trl": []}
         for _ in range(args.rounds):
-            seconds["targetpo"] += run_targetpo(args, num_iterations, dataset)
-            seconds["trl"] += run_trl(args, num_iterations, dataset)
+            seconds["targetpo"] += timed_run(TargetPOTrainer, TargetPOConfig, args, num_iterations, dataset)
+            # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
+            seconds["trl"] += timed_run(
+                GRPOTrainer, GRPOConfig, args, num_iterations, dataset, bf16=False, gradient_checkpointing=False
+            )
         medians = {name: statistics.median(values) for name, values in seconds.items()}
         result = {
             "num_iterations": num_iterations,
