@@ -52,7 +52,6 @@ from .modeling import (
     frozen_reference,
     is_peft_model,
     load_tokenizer,
-    merged_adapters,
     model_identifier,
     supports_chunked_head,
 )
@@ -476,9 +475,8 @@ class TargetPOTrainer(Trainer):
         """Give the engine the current weights, once per optimiser step (``model`` holds them in full)."""
         if self._vllm_weights_step == self.state.global_step:
             return
-        with merged_adapters(model):
-            if self.vllm is not None:  # in server mode only the main process holds a client
-                self.vllm.load_weights(export_for_engine(model))
+        if self.vllm is not None:  # in server mode only the main process holds a client
+            self.vllm.load_weights(export_for_engine(model))
         self._vllm_weights_step = self.state.global_step
 
     def _decode(self, completions: Completions) -> tuple[list[str], list[list[int]]]:

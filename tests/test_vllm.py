@@ -126,21 +126,30 @@ def test_padded_engine_completions_mask_eos_and_truncation():
     assert torch.allclose(completions.sampler_logps, torch.tensor([[-0.1, -0.2, 0], [-0.3, -0.4, -0.5], [0, 0, 0]]))
 
 
-def test_engine_weights_of_a_lora_policy_are_the_merged_base_weights():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_engine_weights_of_a_lora_policy_are_the_merged_weights_and_leave_the_model_alone(dtype):
     from peft import LoraConfig, get_peft_model
 
     tokenizer = reverse_task_tokenizer()
     base_names = set(build_tiny_causal_lm(tokenizer, seed=0).state_dict())
     policy = get_peft_model(
-        build_tiny_causal_lm(tokenizer, seed=0), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+        build_tiny_causal_lm(tokenizer, seed=0).to(dtype),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
-    with merged_adapters(policy):
-        weights = {name: tensor.clone() for name, tensor in export_for_engine(policy)}
-        merged_q = policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    with merged_adapters(policy):  # the reference: PEFT's own merge
+        expected = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): tensor.clone()
+                    for name, tensor in policy.state_dict().items() if "lora_" not in name}
+    policy.load_state_dict(before)  # undo the in-place merge's rounding before exporting
+
+    weights = dict(export_for_engine(policy))
     assert set(weights) == base_names  # checkpoint names, no adapter tensors
-    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], merged_q)
-    unmerged_q = policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
-    assert not torch.allclose(unmerged_q, merged_q)  # the adapters were unmerged again afterwards
+    for name, tensor in weights.items():
+        assert torch.allclose(tensor.float(), expected[name].float(), atol=1e-6 if dtype == torch.float32 else 1e-2), name
+    assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], before[
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])  # the adapters are in
+    # Exporting never touches the model: not one bit of any weight changed.
+    assert all(torch.equal(tensor, before[name]) for name, tensor in policy.state_dict().items())
 
 
 # ------------------------------------------------------------------------------------------------ colocate

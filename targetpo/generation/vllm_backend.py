@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..modeling import is_peft_model, merged_adapters
 from .base import Completions, pad_completions
 
 VLLM_INSTALL_HINT = (
@@ -177,11 +178,40 @@ class VLLMEngine:
 
 
 def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights under Hugging Face checkpoint names, as an engine loads them.
+    """The policy's weights under Hugging Face checkpoint names, as an engine loads them (adapters merged in).
 
-    A PEFT model must have its adapters merged first: this drops the adapter tensors and the wrapper's prefixes.
-    The tensors share storage with the model: use them before the weights change (or the adapters are unmerged).
+    LoRA adapters are merged out of place (base weight + delta), so the model itself is never modified: merging and
+    unmerging in place once per step would let low-precision base weights, and with them the adapter-free reference,
+    drift by rounding. Other adapter types are merged in place and copied. Without adapters the tensors share
+    storage with the model: use them before the weights change.
     """
+    deltas = _lora_deltas(model)
+    if deltas is None:
+        with merged_adapters(model):
+            return [(name, tensor.clone()) for name, tensor in _checkpoint_tensors(model, {})]
+    return _checkpoint_tensors(model, deltas)
+
+
+def _lora_deltas(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Each LoRA layer's merged delta keyed by its base weight's name; {} without adapters, None for other kinds."""
+    if not is_peft_model(model):
+        return {}
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    deltas = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if not isinstance(module, LoraLayer) or getattr(module, "merged", False):
+            return None
+        active = [adapter for adapter in module.active_adapters if adapter in module.lora_A or adapter in module.lora_embedding_A]
+        if active:
+            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(adapter) for adapter in active)
+    return deltas
+
+
+def _checkpoint_tensors(model: nn.Module, deltas: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     weights = []
     # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
     # state-dict hook would hand back shards even while the parameters are gathered for the push.
@@ -193,9 +223,12 @@ def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     for name, tensor in tensors:
         if "lora_" in name or ".original_module." in name:
             continue
+        tensor = tensor.detach()
+        if name in deltas:
+            tensor = tensor + deltas[name].detach().to(tensor.dtype)
         name = name.removeprefix("base_model.model.")
         name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        weights.append((name, tensor.detach()))
+        weights.append((name, tensor))
     return weights
 
 
