@@ -41,7 +41,7 @@ from .distributed import (
     prepare_frozen_model,
     shards_parameters,
 )
-from .generation import Completions, TransformersGenerator, pad_completions
+from .generation import Completions, TransformersGenerator, pad_completions, unpadded_prompts
 from .generation.vllm_backend import export_for_engine
 from .modeling import (
     apply_peft,
@@ -445,7 +445,7 @@ class TargetPOTrainer(Trainer):
             return completions
         # Server mode: the main process sends every process's prompts in one request and hands back their shares.
         self._push_weights_to_vllm(model)
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
         all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
         reply: list[Any] = [None]
         if self.accelerator.is_main_process:
@@ -520,19 +520,25 @@ class TargetPOTrainer(Trainer):
         parts = []
         for start in range(0, batch["completion_ids"].size(0), chunk):
             part = {key: value[start : start + chunk] for key, value in batch.items() if torch.is_tensor(value)}
-            logps, _ = completion_logps(
-                model,
-                part["prompt_ids"],
-                part["prompt_mask"],
-                part["completion_ids"],
-                part["completion_attention_mask"],
-                temperature=self.args.temperature,
-                use_position_ids=self._use_position_ids,
-                suppressed_token_ids=self._suppressed_token_ids,
-                chunk_size=self._logps_chunk_size,
-            )
-            parts.append(logps)
+            parts.append(self._token_logps(model, part)[0])
         return torch.cat(parts)
+
+    def _token_logps(
+        self, model: nn.Module, batch: Batch, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token completion log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them."""
+        return completion_logps(
+            model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_attention_mask"],
+            temperature=self.args.temperature,
+            with_entropy=with_entropy,
+            use_position_ids=self._use_position_ids,
+            suppressed_token_ids=self._suppressed_token_ids,
+            chunk_size=self._logps_chunk_size,
+        )
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         if self.ref_model is not None:
@@ -552,18 +558,7 @@ class TargetPOTrainer(Trainer):
             raise ValueError("TargetPOTrainer.compute_loss does not return model outputs.")
         mode = "train" if model.training else "eval"
         args = self.args
-        per_token_logps, entropies = completion_logps(
-            model,
-            inputs["prompt_ids"],
-            inputs["prompt_mask"],
-            inputs["completion_ids"],
-            inputs["completion_attention_mask"],
-            temperature=args.temperature,
-            with_entropy=True,
-            use_position_ids=self._use_position_ids,
-            suppressed_token_ids=self._suppressed_token_ids,
-            chunk_size=self._logps_chunk_size,
-        )
+        per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True)
         mask = inputs["completion_mask"]
         policy_logps = per_token_logps
         if mode == "train" and self._importance_sampling and "sampler_per_token_logps" in inputs:

@@ -47,6 +47,11 @@ def completion_masks(
     return Completions(ids=completion_ids, attention_mask=attention_mask, truncated=~has_eos)
 
 
+def unpadded_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Each prompt's own token ids, without its padding, as engines that take token-id lists want them."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+
+
 def pad_completions(
     token_ids: Sequence[Sequence[int]],
     token_logps: Sequence[Sequence[float]],

