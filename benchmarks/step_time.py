@@ -1,13 +1,14 @@
 """Seconds per optimiser step: targetpo's TargetPOTrainer vs TRL's GRPOTrainer at equal settings, alternated in one run.
 
-Both train the same tiny model (same config and initial weights) with the same tokenizer, prompts, reward, batch,
-K, completion length, sampling, learning rate and seed, with `model.generate` rollouts on the CPU. The runs alternate
-(targetpo, TRL, targetpo, TRL, ...) so drifts in machine speed hit both; each optimiser step is timed by a callback
-(rollout, rewards, forward and backward, optimiser), the first steps of every run are dropped as warm-up, and the
-median over the rest is reported with the ratio targetpo / TRL. TRL is a benchmark-only dependency:
+Three trainers train the same tiny model (same config and initial weights) with the same tokenizer, prompts, reward,
+batch, K, completion length, sampling, learning rate and seed, with `model.generate` rollouts on the CPU: targetpo
+as configured by default, targetpo with `skip_zero_gradient_completions=False` (what skipping saves), and TRL. The
+runs alternate (targetpo, targetpo without skipping, TRL, ...) so drifts in machine speed hit all three; each
+optimiser step is timed by a callback (rollout, rewards, forward and backward, optimiser), the first steps of every
+run are dropped as warm-up, and the median over the rest is reported with the ratios to TRL. TRL is a benchmark-only dependency:
 `pip install -e ".[bench]"`.
 
-    python benchmarks/step_time.py --output docs/benchmarks/step_time.json
+    python benchmarks/step_time.py --rounds 5 --output docs/benchmarks/step_time.json
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def shared_settings(args: argparse.Namespace, num_iterations: int, output_dir: s
     )
 
 
-def timed_run(trainer_class, config_class, args, num_iterations, dataset, **config_overrides) -> list[float]:
-    """Train one trainer for ``args.steps`` steps; the seconds of every step after the warm-up."""
+def timed_run(trainer_class, config_class, args, num_iterations, dataset, **config_overrides):
+    """Train one trainer for ``args.steps`` steps; the seconds of every step after the warm-up, and its logs."""
     tokenizer = reverse_task_tokenizer()
     timer = StepTimer()
     settings = shared_settings(args, num_iterations, f"/tmp/step_time_{trainer_class.__name__}")
@@ -97,7 +98,7 @@ def timed_run(trainer_class, config_class, args, num_iterations, dataset, **conf
         callbacks=[timer],
     )
     trainer.train()
-    return timer.seconds[args.warmup :]
+    return timer.seconds[args.warmup :], trainer.state.log_history
 
 
 def main() -> None:
@@ -107,19 +108,29 @@ def main() -> None:
     dataset = reverse_task_dataset(args.reverse_length, num_prompts=4096, seed=0)
     results = []
     for num_iterations in args.num_iterations:
-        seconds = {"targetpo": [], "trl": []}
+        seconds = {"targetpo": [], "targetpo_no_skipping": [], "trl": []}
+        skipped_fractions = []
         for _ in range(args.rounds):
-            seconds["targetpo"] += timed_run(TargetPOTrainer, TargetPOConfig, args, num_iterations, dataset)
+            timed, logs = timed_run(TargetPOTrainer, TargetPOConfig, args, num_iterations, dataset)
+            seconds["targetpo"] += timed
+            skipped_fractions += [entry["completions/skipped_fraction"] for entry in logs if "completions/skipped_fraction" in entry]
+            # The same trainer putting every completion through the model, as TRL does: what skipping saves.
+            seconds["targetpo_no_skipping"] += timed_run(
+                TargetPOTrainer, TargetPOConfig, args, num_iterations, dataset, skip_zero_gradient_completions=False
+            )[0]
             # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
             seconds["trl"] += timed_run(
                 GRPOTrainer, GRPOConfig, args, num_iterations, dataset, bf16=False, gradient_checkpointing=False
-            )
+            )[0]
         medians = {name: statistics.median(values) for name, values in seconds.items()}
         result = {
             "num_iterations": num_iterations,
             "targetpo_median_s": round(medians["targetpo"], 4),
+            "targetpo_no_skipping_median_s": round(medians["targetpo_no_skipping"], 4),
             "trl_median_s": round(medians["trl"], 4),
             "targetpo_over_trl": round(medians["targetpo"] / medians["trl"], 3),
+            "targetpo_no_skipping_over_trl": round(medians["targetpo_no_skipping"] / medians["trl"], 3),
+            "targetpo_skipped_fraction": round(statistics.mean(skipped_fractions), 3),
             "steps_timed_each": len(seconds["targetpo"]),
         }
         results.append(result)

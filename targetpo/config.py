@@ -89,6 +89,16 @@ class GRPOConfig(TrainingArguments):
             "tensor (always the case under ZeRO-3/FSDP2 and for models whose logits are post-processed)."
         },
     )
+    skip_zero_gradient_completions: bool = field(
+        default=True,
+        metadata={
+            "help": "Leave out of the training forward and backward passes the completions whose gradient is exactly "
+            "zero: invalid ones, groups with fewer than two valid members, (GRPO) zero advantages and (TPO) groups "
+            "whose scores are all equal while the weights are still those of the rollout (with disable_dropout). The "
+            "gradient is unchanged up to rounding; the logged loss then leaves out those groups' constant terms. Only "
+            "with beta=0 (the KL term has a gradient on every completion)."
+        },
+    )
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={

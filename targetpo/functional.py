@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "grpo_loss",
     "informative_groups",
+    "rows_with_gradient",
     "scale_token_gradients",
     "sequence_logps",
     "token_kl",
@@ -89,6 +90,35 @@ def informative_groups(
     """``(G,)`` bool: which groups carry signal, i.e. have valid scores that are not all equal."""
     grouped = _group(_as_float(scores), num_generations, "scores")
     return _informative_groups(grouped, _group_valid(valid_mask, scores, num_generations))
+
+
+def rows_with_gradient(
+    scores: torch.Tensor,
+    num_generations: int,
+    valid_mask: torch.Tensor | None = None,
+    loss_type: str = "tpo",
+    policy_is_old: bool = False,
+) -> torch.Tensor:
+    """``(G * K,)`` bool: the completions whose policy-loss gradient can be non-zero; the rest may be left out.
+
+    ``scores`` are the whitened ``u`` (the advantages). For both losses an invalid member never has a gradient. For
+    ``"grpo"`` neither has a member with ``u = 0``: its surrogate is 0 at any ratio. For ``"tpo"``, a group with at
+    most one valid member never does (that member holds all of ``q`` and of the policy's group softmax ``p``), and,
+    while the policy is still the one ``p_old`` was computed with (``policy_is_old``: the same weights and no
+    dropout), neither does a group whose ``u`` are all 0: its target is ``q = p_old = p``. Such rows contribute
+    nothing to the gradient, so the loss over the remaining rows (with their groups still counted in the averages)
+    has the full gradient, up to rounding.
+    """
+    u = _group(_as_float(scores), num_generations, "scores")
+    valid = _group_valid(valid_mask, scores, num_generations)
+    if loss_type == "grpo":
+        return (valid & (u != 0)).reshape(-1)
+    if loss_type != "tpo":
+        raise ValueError(f"loss_type must be 'tpo' or 'grpo', got {loss_type!r}.")
+    live = valid.sum(dim=-1, keepdim=True) >= 2
+    if policy_is_old:
+        live = live & (valid & (u != 0)).any(dim=-1, keepdim=True)
+    return (valid & live).reshape(-1)
 
 
 def tpo_scores(

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.metadata
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from packaging.version import Version
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -162,6 +165,39 @@ def supports_chunked_head(model: nn.Module) -> bool:
     )
 
 
+#: Earlier releases scale every token's gradient by one token's upstream gradient under ``reduction="none"``.
+LIGER_MIN_VERSION = "0.8.2"
+
+
+def require_liger(device: torch.device) -> None:
+    """Refuse ``use_liger_kernel`` where Liger cannot run, before any work: not installed, too old, or no GPU."""
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError("use_liger_kernel=True needs Liger Kernel: pip install 'targetpo[liger]'.") from None
+    if Version(version) < Version(LIGER_MIN_VERSION):
+        raise ImportError(
+            f"liger-kernel {version} computes wrong per-token gradients; targetpo needs >= {LIGER_MIN_VERSION}: "
+            f"pip install -U 'liger-kernel>={LIGER_MIN_VERSION}'."
+        )
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "use_liger_kernel=True needs a GPU: Liger's kernels are Triton GPU kernels and this run is on the CPU. "
+            "Drop use_liger_kernel (the log-probs are chunked without it), or, only to test, set TRITON_INTERPRET=1 "
+            "before Python starts to run the kernels (slowly) in Triton's interpreter."
+        )
+
+
+def liger_head_problem(model: nn.Module) -> str | None:
+    """Why Liger's fused kernel cannot stand in for this model's output head, or None when it can."""
+    if not supports_chunked_head(model):
+        return "the model post-processes its logits after the output head"
+    head = _output_head(model)
+    if type(head) is not nn.Linear:  # e.g. a LoRA-adapted or quantised head, whose forward the kernel would bypass
+        return f"the output head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    return None
+
+
 def _output_head(model: nn.Module) -> nn.Module:
     model = getattr(model, "module", model)
     return model.get_output_embeddings()  # a PEFT model forwards this to its (adapted) base model
@@ -189,22 +225,32 @@ def _head_logps_and_entropy(
     return logps, entropy
 
 
-def _chunked_head_logps(
+def _liger_head_logps(head: nn.Module, hidden_rows: torch.Tensor, token_rows: torch.Tensor, temperature: float):
+    """Token log-probs of ``(N, H)`` hidden states through Liger's fused linear cross-entropy kernel.
+
+    The kernel computes the head and the log-softmax together, a block of rows at a time, in the forward and the
+    backward pass: the log-prob of the given token is minus its per-token cross-entropy.
+    """
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    bias = head.bias
+    if temperature != 1.0:  # (W h + b) / T == W (h / T) + b / T
+        hidden_rows = hidden_rows / temperature
+        bias = bias / temperature if bias is not None else None
+    losses = liger_fused_linear_cross_entropy(hidden_rows, head.weight, token_rows, bias=bias, reduction="none")
+    return -losses.float()
+
+
+def _head_in_chunks(
     head: nn.Module,
-    hidden: torch.Tensor,
-    token_ids: torch.Tensor,
-    mask: torch.Tensor,
+    hidden_rows: torch.Tensor,
+    token_rows: torch.Tensor,
     temperature: float,
     suppressed_token_ids: torch.Tensor | None,
     chunk_size: int,
-    with_entropy: bool = True,
+    with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
-
-    Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and, through activation
-    checkpointing, in the backward pass too; positions outside ``mask`` are skipped and read as 0.
-    """
-    hidden_rows, token_rows = hidden[mask], token_ids[mask]
+    """Log-probs and entropies of ``(N, H)`` hidden states, the head running on ``chunk_size`` rows at a time."""
     logps, entropies = [], []
     for start in range(0, hidden_rows.size(0), chunk_size):
         part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
@@ -220,8 +266,43 @@ def _chunked_head_logps(
             )
         logps.append(chunk_logps)
         entropies.append(chunk_entropy)
-    flat_logps = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
-    flat_entropy = torch.cat(entropies) if entropies else hidden.new_zeros(0, dtype=torch.float32)
+    empty = hidden_rows.new_zeros(0, dtype=torch.float32)
+    return (torch.cat(logps) if logps else empty), (torch.cat(entropies) if entropies else empty)
+
+
+def _chunked_head_logps(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    token_ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+    chunk_size: int,
+    with_entropy: bool = True,
+    liger: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
+
+    Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and, through activation
+    checkpointing, in the backward pass too; positions outside ``mask`` are skipped and read as 0. With ``liger``
+    the log-probs come from Liger's fused kernel instead (no suppressed tokens), and the entropies, a metric, from
+    chunks computed without gradient.
+    """
+    if liger and suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
+        raise ValueError("Liger's fused kernel cannot leave suppressed tokens out of the softmax; use liger=False.")
+    hidden_rows, token_rows = hidden[mask], token_ids[mask]
+    if liger and hidden_rows.size(0) > 0:
+        flat_logps = _liger_head_logps(head, hidden_rows, token_rows, temperature)
+        flat_entropy = torch.zeros_like(flat_logps)
+        if with_entropy:
+            with torch.no_grad():
+                _, flat_entropy = _head_in_chunks(
+                    head, hidden_rows, token_rows, temperature, None, chunk_size, with_entropy=True
+                )
+    else:
+        flat_logps, flat_entropy = _head_in_chunks(
+            head, hidden_rows, token_rows, temperature, suppressed_token_ids, chunk_size, with_entropy
+        )
     full_logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_logps)
     full_entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_entropy)
     return full_logps, full_entropy
@@ -238,6 +319,7 @@ def completion_logps(
     use_position_ids: bool = True,
     suppressed_token_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    liger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
 
@@ -250,7 +332,8 @@ def completion_logps(
     With ``chunk_size`` (for models where :func:`supports_chunked_head`), the ``(B, C, V)`` logits are never
     materialised: the output head runs on ``chunk_size`` completion positions at a time, padding positions are
     skipped (their log-probs read 0), and the backward pass recomputes each chunk. Otherwise the model computes the
-    completion positions' logits in one piece.
+    completion positions' logits in one piece. ``liger`` (with a ``chunk_size``, for a plain linear head and no
+    suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel.
     """
     completion_length = completion_ids.size(1)
     first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
@@ -275,7 +358,8 @@ def completion_logps(
         hidden = outputs.hidden_states[-1][:, -(last_completion_column + 1) : -1]
         kept_mask = completion_attention_mask[:, :last_completion_column].bool()
         logps, entropies = _chunked_head_logps(
-            _output_head(model), hidden, kept_ids, kept_mask, temperature, suppressed_token_ids, chunk_size, with_entropy
+            _output_head(model), hidden, kept_ids, kept_mask, temperature, suppressed_token_ids, chunk_size, with_entropy,
+            liger=liger,
         )
         entropies = entropies if with_entropy else None
     else:

@@ -51,8 +51,10 @@ from .modeling import (
     from_pretrained_or_explain,
     frozen_reference,
     is_peft_model,
+    liger_head_problem,
     load_tokenizer,
     model_identifier,
+    require_liger,
     supports_chunked_head,
 )
 from .reporting import RolloutTable, print_completions_table
@@ -132,6 +134,8 @@ class TargetPOTrainer(Trainer):
             )
         if eval_dataset is not None:
             args.check_eval_batch_size()
+        if args.use_liger_kernel:
+            require_liger(args.device)
 
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
@@ -219,6 +223,9 @@ class TargetPOTrainer(Trainer):
         # Tokens generation never samples get no probability in the trainer's log-probs either.
         suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
         self._suppressed_token_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=self.accelerator.device)
+        self._liger_logps = args.use_liger_kernel and self._liger_can_compute_logps(bool(suppressed))
+        if self._liger_logps:
+            self._logps_chunk_size = self._logps_chunk_size or 512  # the entropy metric is still computed in chunks
 
         # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
         # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
@@ -281,6 +288,22 @@ class TargetPOTrainer(Trainer):
             seed=args.seed + self.accelerator.process_index,
             **engine_kwargs,
         )
+
+    def _liger_can_compute_logps(self, suppresses_tokens: bool) -> bool:
+        """Whether Liger's fused kernel can compute the log-probs exactly; if not, a warning says why."""
+        if shards_parameters(self.accelerator):
+            problem = "the weights are sharded (ZeRO-3 or FSDP2) and the kernel needs the whole output head"
+        elif suppresses_tokens:
+            problem = "generation suppresses tokens, which the kernel cannot leave out of the softmax"
+        else:
+            problem = liger_head_problem(self.model)
+        if problem is not None:
+            warnings.warn(
+                f"use_liger_kernel: the training log-probs do not use Liger's fused kernel because {problem}; they "
+                "are computed in chunks by torch instead.",
+                stacklevel=3,
+            )
+        return problem is None
 
     # ------------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
@@ -383,6 +406,16 @@ class TargetPOTrainer(Trainer):
         }
         if completions.sampler_logps is not None:
             batch["sampler_per_token_logps"] = completions.sampler_logps
+        if mode == "train" and args.skip_zero_gradient_completions and args.beta == 0:
+            # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
+            # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
+            batch["rollout_step"] = self.state.global_step
+            for key, policy_is_old in (
+                ("rows_with_gradient", False),
+                ("rows_with_gradient_at_rollout", args.disable_dropout),
+            ):
+                signal = F.rows_with_gradient(advantages_all, args.num_generations, valid_all, args.loss_type, policy_is_old)
+                batch[key] = signal[local]
         if mode == "train" and self._needs_old_logps:
             batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
         if args.beta > 0:
@@ -524,21 +557,40 @@ class TargetPOTrainer(Trainer):
         return torch.cat(parts)
 
     def _token_logps(
-        self, model: nn.Module, batch: Batch, with_entropy: bool = False
+        self, model: nn.Module, batch: Batch, with_entropy: bool = False, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token completion log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them."""
-        return completion_logps(
+        """Per-token completion log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them.
+
+        With ``rows`` (bool), only those rows go through the model; the others read 0 and carry no gradient.
+        """
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")
+        if rows is None or bool(rows.all()):
+            selected = None
+        elif rows.any():
+            selected = rows.nonzero().squeeze(-1)
+        else:
+            # Still one (the shortest) row through the model, masked out of the loss by the caller: every parameter
+            # then gets a zero gradient, as the full computation gives it. Without one, DDP and ZeRO wait for
+            # gradients that never come, and the optimiser would skip its step (momentum, weight decay) instead.
+            lengths = batch["prompt_mask"].sum(dim=1) + batch["completion_attention_mask"].sum(dim=1)
+            selected = lengths.argmin().reshape(1)
+        inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
+        logps, entropies = completion_logps(
             model,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            batch["completion_ids"],
-            batch["completion_attention_mask"],
+            *inputs,
             temperature=self.args.temperature,
             with_entropy=with_entropy,
             use_position_ids=self._use_position_ids,
             suppressed_token_ids=self._suppressed_token_ids,
             chunk_size=self._logps_chunk_size,
+            liger=self._liger_logps,
         )
+        if selected is None:
+            return logps, entropies
+        shape = batch["completion_ids"].shape
+        logps = logps.new_zeros(shape).index_copy(0, selected, logps)
+        entropies = entropies.new_zeros(shape).index_copy(0, selected, entropies) if entropies is not None else None
+        return logps, entropies
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         if self.ref_model is not None:
@@ -558,13 +610,20 @@ class TargetPOTrainer(Trainer):
             raise ValueError("TargetPOTrainer.compute_loss does not return model outputs.")
         mode = "train" if model.training else "eval"
         args = self.args
-        per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True)
-        mask = inputs["completion_mask"]
+        rows = self._rows_to_train(inputs, mode)
+        per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True, rows=rows)
+        # Rows left out count as invalid, all-masked members: each loss then gives them exactly 0 while keeping them
+        # (and their groups) in its averages, which is what their zero gradient contributes.
+        mask = inputs["completion_mask"] if rows is None else inputs["completion_mask"] * rows.unsqueeze(-1)
+        valid = inputs["valid"] if rows is None else inputs["valid"] & rows
+        if rows is not None:
+            self._log_mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
         policy_logps = per_token_logps
         if mode == "train" and self._importance_sampling and "sampler_per_token_logps" in inputs:
-            policy_logps = F.scale_token_gradients(per_token_logps, self._importance_weights(per_token_logps, inputs))
+            weights = self._importance_weights(per_token_logps, inputs, mask)
+            policy_logps = F.scale_token_gradients(per_token_logps, weights)
         if args.loss_type == "tpo":
-            loss = self._target_loss(policy_logps, inputs, mode)
+            loss = self._target_loss(policy_logps, inputs, mask, valid, mode)
         else:
             old = inputs.get("old_per_token_logps", per_token_logps.detach())
             loss = F.grpo_loss(policy_logps, old, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
@@ -582,14 +641,24 @@ class TargetPOTrainer(Trainer):
             )
         return loss
 
-    def _target_loss(self, per_token_logps: torch.Tensor, inputs: Batch, mode: str) -> torch.Tensor:
+    def _rows_to_train(self, inputs: Batch, mode: str) -> torch.Tensor | None:
+        """The step batch's rows whose gradient can be non-zero (``F.rows_with_gradient``); None: every row."""
+        if mode != "train" or "rows_with_gradient" not in inputs:
+            return None
+        if self.state.global_step == inputs["rollout_step"]:
+            return inputs["rows_with_gradient_at_rollout"]
+        return inputs["rows_with_gradient"]
+
+    def _target_loss(
+        self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor, valid: torch.Tensor, mode: str
+    ) -> torch.Tensor:
         """Cross-entropy to q over whole groups, gathering the step batch when its groups span processes."""
         args = self.args
-        sequence_logps = F.sequence_logps(per_token_logps, inputs["completion_mask"], args.tpo_length_normalize_logps)
+        sequence_logps = F.sequence_logps(per_token_logps, mask, args.tpo_length_normalize_logps)
         span = self._groups_span_processes(mode)
         gather = self.accelerator.gather if span else (lambda tensor: tensor)
         sequence_logps_all = all_gather_with_grad(sequence_logps) if span else sequence_logps
-        valid_all = gather(inputs["valid"])
+        valid_all = gather(valid)
         if inputs.get("targets") is None:
             targets_all = F.tpo_targets(
                 sequence_logps_all.detach(),
@@ -600,19 +669,23 @@ class TargetPOTrainer(Trainer):
             )
             # `inputs` is the rollout buffer's own entry: q is kept frozen for every later use of this step batch.
             inputs["targets"] = targets_all[self._local_slice(len(sequence_logps))] if span else targets_all
-            self._record_targets(inputs, mode)
+            self._record_targets(inputs, mode, valid)
         else:
             targets_all = gather(inputs["targets"])
         return F.tpo_loss(sequence_logps_all, targets_all, args.num_generations, valid_all)
 
-    def _importance_weights(self, per_token_logps: torch.Tensor, inputs: Batch) -> torch.Tensor:
+    def _importance_weights(self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor) -> torch.Tensor:
         """Truncated token weights ``min(p_trainer / p_vllm, cap)`` of a step batch, computed once and kept.
 
         The trainer's side is its own rollout-time log-probs, the same ones ``p_old`` (and so ``q``) is built from.
         """
         if "importance_weights" not in inputs:
-            old = inputs.get("old_per_token_logps", per_token_logps.detach())
-            sampler, mask = inputs["sampler_per_token_logps"], inputs["completion_mask"]
+            old = inputs.get("old_per_token_logps")
+            if old is None:  # every use is in this optimiser step, over the same rows: those in `mask`
+                old = per_token_logps.detach()
+            else:  # kept for later steps, which may train rows this one leaves out
+                mask = inputs["completion_mask"]
+            sampler = inputs["sampler_per_token_logps"]
             weights = F.truncated_importance_weights(old, sampler, mask, self.args.vllm_importance_sampling_cap)
             inputs["importance_weights"] = weights  # the rollout buffer's own entry: reused by later epochs
             self._record_importance_weights(old, sampler, weights, mask)
@@ -676,13 +749,21 @@ class TargetPOTrainer(Trainer):
         self._log_token_mean("train", "vllm/importance_weight_mean", weights, mask)
         capped = (weights >= self.args.vllm_importance_sampling_cap).float()
         self._log_token_mean("train", "vllm/importance_weight_capped_fraction", capped, mask)
-        lowest = torch.where(on, weights, torch.ones_like(weights)).min().reshape(1)
-        self._metrics["train"]["vllm/importance_weight_min"].append(self.accelerator.gather(lowest).min().item())
+        lowest = torch.where(on, weights, torch.full_like(weights, math.inf)).min().reshape(1)
+        lowest = self.accelerator.gather(lowest).min().item()
+        if lowest < math.inf:  # no token at all when a step skips every completion
+            self._metrics["train"]["vllm/importance_weight_min"].append(lowest)
 
-    def _record_targets(self, batch: Batch, mode: str) -> None:
-        """The paper's diagnostics of a freshly built q over all processes, and q itself for the completions table."""
-        targets, scores, valid, sample_index = (
-            self.accelerator.gather(batch[key]) for key in ("targets", "scores", "valid", "sample_index")
+    def _record_targets(self, batch: Batch, mode: str, valid: torch.Tensor | None = None) -> None:
+        """The paper's diagnostics of a freshly built q over all processes, and q itself for the completions table.
+
+        ``valid`` narrows both to the rows whose q was built (a step that leaves rows out builds no q for them).
+        """
+        built = torch.ones_like(batch["valid"]) if valid is None else valid | ~batch["valid"]  # invalid: q = 0
+        valid = batch["valid"] if valid is None else valid
+        targets, scores, valid, built, sample_index = (
+            self.accelerator.gather(tensor)
+            for tensor in (batch["targets"], batch["scores"], valid, built, batch["sample_index"])
         )
         diagnostics = F.tpo_target_diagnostics(targets, scores, self.args.num_generations, valid)
         for name in ("target_entropy", "best_completion_target_mass"):  # informative fraction: at rollout
@@ -691,7 +772,7 @@ class TargetPOTrainer(Trainer):
                 self._metrics[mode][f"tpo/{name}"].append(value)
         table = self._completion_table
         if mode == "train" and table is not None and table.rollout == batch["rollout"]:
-            table.fill_targets(sample_index.tolist(), targets.tolist())
+            table.fill_targets(sample_index[built].tolist(), targets[built].tolist())
 
     def _record_completion_table(
         self, prompts: list[Any], completions: list[str], scores_per_func: torch.Tensor, scores_all: torch.Tensor

@@ -180,3 +180,30 @@ def test_vllm_colocate_with_two_processes(tmp_path, monkeypatch):
     state = json.loads((tmp_path / "trainer_state.json").read_text())
     differences = [entry["vllm/logp_abs_diff"] for entry in state["log_history"] if "vllm/logp_abs_diff" in entry]
     assert len(differences) == 4 and max(differences) < 1e-5  # each engine had that step's weights
+
+
+@pytest.mark.slow
+@needs_mpirun
+@pytest.mark.parametrize("group_size", [4, 8], ids=["groups-within-a-process", "groups-split-over-processes"])
+def test_skipping_completions_trains_like_the_full_computation_on_two_processes(tmp_path, group_size):
+    # Half the prompts give groups with nothing to learn from, so steps leave rows out, and a process sometimes has
+    # no row to train at all: it must still take part in every collective. SGD: equal gradients, equal weights.
+    run = [
+        "--max_steps", "4", "--per_device_train_batch_size", "4", "--num_generations", str(group_size),
+        "--reward_funcs", "ones_after_a_leading_one", "--optim", "sgd", "--learning_rate", "0.5", "--beta", "0",
+    ]
+    results = {}
+    for skip in ("true", "false"):
+        results[skip] = launch_example(
+            tmp_path / skip, free_port(), script_args=[*run, "--skip_zero_gradient_completions", skip]
+        )
+    (records, (rank0, rank1)), (full_records, (full0, _)) = results["true"], results["false"]
+    assert torch.equal(rank0, rank1)
+    initial = torch.cat([p.detach().flatten() for p in build_tiny_causal_lm(reverse_task_tokenizer(), seed=42).parameters()])
+    assert (full0 - initial).abs().max() > 0.01  # the runs learned something worth comparing
+    assert torch.allclose(rank0, full0, atol=1e-5)
+    trained = [count for record in records for count in record["rows_trained"]]
+    assert all(count == 4 for record in full_records for count in record["rows_trained"])
+    assert min(trained) < 4  # rows were left out
+    if group_size == 4:
+        assert 0 in trained  # a process with nothing to train still stepped with the other

@@ -278,3 +278,63 @@ def test_huge_scores_do_not_overflow():
 def test_target_temperature_too_small_for_the_scores():
     with pytest.raises(ValueError, match="too small"):
         F.tpo_targets(torch.zeros(2), torch.tensor([1.0, -1.0]), 2, temperature=1e-39)
+
+
+# Four groups of three: informative; all scores equal; a single valid member; informative with an invalid member.
+SIGNAL_U = torch.tensor([1.2, -1.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.7, -0.7, 0.0])
+SIGNAL_VALID = torch.tensor([True, True, True, True, True, True, True, False, False, True, True, False])
+
+
+def test_rows_with_gradient_closed_form():
+    rows = lambda **kw: F.rows_with_gradient(SIGNAL_U, 3, SIGNAL_VALID, **kw).tolist()  # noqa: E731
+    T, f = True, False
+    assert rows(loss_type="tpo", policy_is_old=False) == [T, T, T, T, T, T, f, f, f, T, T, f]
+    assert rows(loss_type="tpo", policy_is_old=True) == [T, T, T, f, f, f, f, f, f, T, T, f]
+    # GRPO: only the advantage matters, at any ratio; the u = 0 member of an informative group has none either.
+    assert rows(loss_type="grpo") == [T, T, f, f, f, f, f, f, f, T, T, f]
+    with pytest.raises(ValueError, match="loss_type"):
+        F.rows_with_gradient(SIGNAL_U, 3, SIGNAL_VALID, loss_type="ppo")
+
+
+def test_tpo_rows_left_out_change_the_loss_by_a_constant_only():
+    torch.manual_seed(0)
+    old = torch.randn(12, dtype=torch.float64)
+    targets = F.tpo_targets(old, SIGNAL_U, 3, SIGNAL_VALID)
+    for policy_is_old, logps in ((True, old.clone()), (False, old + torch.randn(12, dtype=torch.float64))):
+        rows = F.rows_with_gradient(SIGNAL_U, 3, SIGNAL_VALID, "tpo", policy_is_old)
+        full_logps = logps.clone().requires_grad_(True)
+        full = F.tpo_loss(full_logps, targets, 3, SIGNAL_VALID)
+        full.backward()
+        kept_logps = logps.clone().requires_grad_(True)
+        kept = F.tpo_loss(kept_logps, targets, 3, SIGNAL_VALID & rows)
+        kept.backward()
+        assert torch.allclose(kept_logps.grad, full_logps.grad, atol=1e-12)
+        assert kept_logps.grad[~rows].abs().max() == 0
+        # What is left out is the groups' cross-entropy at p = q: the entropy of q, over the 4 groups.
+        q = targets.view(4, 3)
+        left_out = ~rows.view(4, 3).any(dim=1)
+        entropy = -(torch.special.xlogy(q, q)).sum(dim=1)
+        assert full.item() - kept.item() == pytest.approx(entropy[left_out].sum().item() / 4, abs=1e-12)
+    # Once the policy has moved, the equal-score group pulls p back towards p_old: it may not be left out.
+    moved = old + torch.randn(12, dtype=torch.float64)
+    moved.requires_grad_(True)
+    F.tpo_loss(moved, targets, 3, SIGNAL_VALID).backward()
+    assert moved.grad[3:6].abs().max() > 1e-3
+
+
+def test_grpo_rows_left_out_change_nothing():
+    torch.manual_seed(0)
+    mask = torch.ones(12, 4)
+    mask[SIGNAL_VALID.logical_not()] = 0
+    old = torch.randn(12, 4, dtype=torch.float64)
+    rows = F.rows_with_gradient(SIGNAL_U, 3, SIGNAL_VALID, "grpo")
+    policy = old + 0.5 * torch.randn(12, 4, dtype=torch.float64)  # some ratios beyond the clip range
+    losses, grads = [], []
+    for kept_mask in (mask, mask * rows.unsqueeze(-1)):
+        logps = policy.clone().requires_grad_(True)
+        loss = F.grpo_loss(logps, old, SIGNAL_U, kept_mask)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(logps.grad)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-12)
+    assert torch.allclose(grads[0], grads[1], atol=1e-12) and grads[0][rows].abs().max() > 0

@@ -1,6 +1,7 @@
 """End-to-end training on real tiny models: every path the trainer offers, and the errors it raises."""
 
 import json
+import math
 import os
 
 import pytest
@@ -166,10 +167,10 @@ def test_several_iterations_freeze_q_at_rollout(tmp_path, tiny_model, tokenizer,
     seen = []
     original_loss = TargetPOTrainer._target_loss
 
-    def recording_loss(self, per_token_logps, inputs, mode):
+    def recording_loss(self, per_token_logps, inputs, mask, valid, mode):
         current = F.sequence_logps(per_token_logps.detach(), inputs["completion_mask"], True)
         seen.append({"inputs": inputs, "targets": inputs["targets"].clone(), "current": current})
-        return original_loss(self, per_token_logps, inputs, mode)
+        return original_loss(self, per_token_logps, inputs, mask, valid, mode)
 
     monkeypatch.setattr(TargetPOTrainer, "_target_loss", recording_loss)
     args = make_config(tmp_path, num_iterations=2, max_steps=4)
@@ -257,7 +258,14 @@ def test_log_completions_prints_a_table(tmp_path, tiny_model, tokenizer, prompt_
     out = capsys.readouterr().out
     assert "Completions at step" in out and "Target q" in out and "count_letters_reward" in out
     table = trainer._completion_table
-    assert len(table.targets) == 8 and sum(table.targets[:4]) == pytest.approx(1.0, abs=1e-5)
+    assert len(table.targets) == 8
+    # A group gets its q when a step builds it; a group left out of the step (no gradient) shows none.
+    groups = [table.targets[:4], table.targets[4:]]
+    built = [group for group in groups if not any(math.isnan(value) for value in group)]
+    assert built and all(sum(group) == pytest.approx(1.0, abs=1e-5) for group in built)
+    for group, rewards in zip(groups, [table.total_rewards[:4], table.total_rewards[4:]]):
+        if group not in built:
+            assert all(math.isnan(value) for value in group) and len(set(rewards)) == 1
 
 
 def test_saved_state_holds_logged_metrics(tmp_path, tiny_model, tokenizer, prompt_dataset):
@@ -454,8 +462,8 @@ def test_truncated_completions_are_invalid_when_masked(tmp_path, tiny_model, tok
     batches = []
     original = TargetPOTrainer._target_loss
 
-    def recording(self, per_token_logps, inputs, mode):
-        loss = original(self, per_token_logps, inputs, mode)
+    def recording(self, per_token_logps, inputs, mask, valid, mode):
+        loss = original(self, per_token_logps, inputs, mask, valid, mode)
         batches.append(inputs)
         return loss
 
@@ -513,3 +521,119 @@ def test_remove_unused_columns_keeps_only_the_prompt(tmp_path, tiny_model, token
     args = make_config(tmp_path, remove_unused_columns=True, max_steps=1)
     TargetPOTrainer(tiny_model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer).train()
     assert received == {"prompts", "completion_ids", "trainer_state"}  # no 'answer' column
+
+
+def cat_only_reward(prompts, completions, **kwargs):
+    """Scores that vary for the 'cat' prompt's completions and are all equal for every other prompt's."""
+    return [float(ord(c[0]) % 3) if "cat" in p and c else 1.0 for p, c in zip(prompts, completions)]
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+class _RowCounter:
+    """Counts the rows each training forward pass runs, through the trainer's real log-prob function."""
+
+    def __init__(self, monkeypatch):
+        self.rows = []
+        original = trainer_module.completion_logps
+
+        def counting(model, prompt_ids, *args, **kwargs):
+            self.rows.append(prompt_ids.size(0))
+            return original(model, prompt_ids, *args, **kwargs)
+
+        monkeypatch.setattr(trainer_module, "completion_logps", counting)
+
+
+def _first_rollout(trainer):
+    trainer.model.train()
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def _loss_and_gradients(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss_type", ["tpo", "grpo"])
+def test_completions_without_gradient_are_left_out_exactly(tmp_path, tiny_model, tokenizer, loss_type, monkeypatch):
+    dataset = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    args = make_config(tmp_path, loss_type=loss_type)
+    trainer = TargetPOTrainer(tiny_model, cat_only_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    batch = _first_rollout(trainer)
+    rows = batch["rows_with_gradient_at_rollout"]
+    cat = torch.tensor(["cat" in trainer.processing_class.decode(ids) for ids in batch["prompt_ids"]])
+    # The 'dog' group has nothing to learn from; GRPO also leaves out a 'cat' completion whose advantage is 0.
+    assert torch.equal(rows, cat & (batch["advantages"] != 0) if loss_type == "grpo" else cat)
+    assert rows.any() and not rows.all()
+
+    everything = {key: value for key, value in batch.items() if not key.startswith("rows_with_gradient")}
+    counter = _RowCounter(monkeypatch)
+    skipped_loss, skipped_grads = _loss_and_gradients(trainer, batch)
+    full_loss, full_grads = _loss_and_gradients(trainer, everything)
+    assert counter.rows == [int(rows.sum()), len(rows)]
+    assert skipped_grads.keys() == full_grads.keys() and len(full_grads) == len(list(tiny_model.parameters()))
+    for name, grad in full_grads.items():
+        assert torch.allclose(skipped_grads[name], grad, atol=1e-7), name
+    if loss_type == "grpo":
+        assert skipped_loss == pytest.approx(full_loss, abs=1e-7)
+    else:
+        # The 'dog' group's cross-entropy at p = q is the entropy of its q, one of the two groups' average.
+        q = everything["targets"][~cat]
+        assert full_loss - skipped_loss == pytest.approx(-(q * q.log()).sum().item() / 2, abs=1e-6)
+        assert torch.all(batch["targets"][~cat] == 0)  # no q was built for the group left out
+
+
+def test_a_step_with_nothing_to_train_still_gives_every_parameter_a_zero_gradient(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch
+):
+    trainer = TargetPOTrainer(
+        tiny_model, constant_reward, args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    batch = _first_rollout(trainer)
+    assert not batch["rows_with_gradient_at_rollout"].any()
+    counter = _RowCounter(monkeypatch)
+    loss, grads = _loss_and_gradients(trainer, batch)
+    # One row still runs, so DDP and ZeRO get their gradients and the optimiser steps as it would on zeros.
+    assert counter.rows == [1] and loss == 0
+    assert len(grads) == len(list(tiny_model.parameters())) and all(not grad.any() for grad in grads.values())
+
+
+def test_skipping_trains_like_the_full_computation(tmp_path, tokenizer):
+    from targetpo.demo import build_tiny_causal_lm
+
+    dataset = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    runs = {}
+    for skip in (True, False):
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+        # Two uses of each rollout: the first is at the rollout's weights (the 'dog' group is left out), the second
+        # is not (it trains). Plain SGD, whose step is linear in the gradient, so equal gradients give equal weights.
+        args = make_config(
+            tmp_path / str(skip), num_iterations=2, max_steps=4, optim="sgd", learning_rate=0.5,
+            skip_zero_gradient_completions=skip,
+        )
+        trainer = TargetPOTrainer(model, cat_only_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+        before = snapshot(model)
+        trainer.train()
+        runs[skip] = (trainer, before)
+    (skipping, before), (full, _) = runs[True], runs[False]
+    assert changed(before, skipping.model)
+    for (name, a), b in zip(skipping.model.named_parameters(), full.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    skipped = [e["completions/skipped_fraction"] for e in skipping.state.log_history if "completions/skipped_fraction" in e]
+    assert skipped[0] >= 0.5 and skipped[1] == 0  # at the rollout's weights, then after a step
+    assert "completions/skipped_fraction" not in metric_names(full)
+
+
+def test_with_dropout_equal_score_groups_are_never_skipped(tmp_path, tiny_model, tokenizer):
+    # Dropout makes two passes over the same weights differ, so p = q = p_old does not hold even at the rollout's
+    # weights; only the rows without a gradient under any weights are left out.
+    dataset = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    args = make_config(tmp_path, disable_dropout=False)
+    trainer = TargetPOTrainer(tiny_model, cat_only_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    batch = _first_rollout(trainer)
+    assert batch["rows_with_gradient_at_rollout"].all()
+    assert torch.equal(batch["rows_with_gradient_at_rollout"], batch["rows_with_gradient"])

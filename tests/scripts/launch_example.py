@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from targetpo import TargetPOTrainer
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("target_po_example", ROOT / "examples" / "target_po.py")
 example = importlib.util.module_from_spec(spec)
@@ -25,6 +27,27 @@ def recording_reward(completions, **kwargs):
 
 
 example.BUILTIN_REWARDS["exact_reversal"] = recording_reward
+
+
+def ones_after_a_leading_one(prompts, completions, **kwargs):
+    """Scores that vary only for prompts starting with '1': the other groups have nothing to learn from."""
+    return [float(c.count("1")) if p.startswith("1") else 0.0 for p, c in zip(prompts, completions)]
+
+
+example.BUILTIN_REWARDS["ones_after_a_leading_one"] = ones_after_a_leading_one
+
+rows_trained = []  # per training micro-step: how many of this process's rows went through the model for the loss
+original_rows_to_train = TargetPOTrainer._rows_to_train
+
+
+def recording_rows_to_train(self, inputs, mode):
+    rows = original_rows_to_train(self, inputs, mode)
+    if mode == "train":
+        rows_trained.append(len(inputs["valid"]) if rows is None else int(rows.sum()))
+    return rows
+
+
+TargetPOTrainer._rows_to_train = recording_rows_to_train
 
 
 def zero_stage(trainer):
@@ -58,5 +81,6 @@ record = {
     # ZeRO-3 partitions a parameter in place: it keeps a `ds_tensor` shard and an empty full tensor.
     "reference_partitioned": ref is not None and all(hasattr(p, "ds_tensor") for p in ref.parameters()),
     "first_completions": first_completions,
+    "rows_trained": rows_trained,
 }
 (out / f"world_rank{rank}.json").write_text(json.dumps(record))
