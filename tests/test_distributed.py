@@ -90,8 +90,13 @@ def launch_example(out, port, config="cpu_multi_process.yaml", launch_args=(), s
     """The example script under `accelerate launch` with two CPU processes; returns each rank's record and weights."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "HF_HUB_OFFLINE": "1"}
     if script_args is None:
-        # 4 completions per process and 8 per group: every group is split over the two processes.
-        script_args = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "8"]
+        # 4 completions per process and 8 per group: every group is split over the two processes. A reward with
+        # signal from the first step (the example's exact-match reward rarely has any in 3 steps, and groups without
+        # one are skipped), so that the run trains.
+        script_args = [
+            "--max_steps", "3", "--per_device_train_batch_size", "4", "--num_generations", "8",
+            "--reward_funcs", "ones_after_a_leading_one",
+        ]
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
         "--main_process_port", str(port), *launch_args, "tests/scripts/launch_example.py",

@@ -19,14 +19,15 @@ spec.loader.exec_module(example)
 first_completions = []
 
 
-def recording_reward(completions, **kwargs):
-    """The example's reward, remembering this process's first rollout."""
-    if not first_completions:
-        first_completions.extend(completions)
-    return example.exact_reversal_reward(completions, **kwargs)
+def recording(reward):
+    """``reward``, remembering this process's first rollout."""
 
+    def recording_reward(completions, **kwargs):
+        if not first_completions:
+            first_completions.extend(completions)
+        return reward(completions=completions, **kwargs)
 
-example.BUILTIN_REWARDS["exact_reversal"] = recording_reward
+    return recording_reward
 
 
 def ones_after_a_leading_one(prompts, completions, **kwargs):
@@ -34,7 +35,8 @@ def ones_after_a_leading_one(prompts, completions, **kwargs):
     return [float(c.count("1")) if p.startswith("1") else 0.0 for p, c in zip(prompts, completions)]
 
 
-example.BUILTIN_REWARDS["ones_after_a_leading_one"] = ones_after_a_leading_one
+example.BUILTIN_REWARDS["exact_reversal"] = recording(example.exact_reversal_reward)
+example.BUILTIN_REWARDS["ones_after_a_leading_one"] = recording(ones_after_a_leading_one)
 
 rows_trained = []  # per training micro-step: how many of this process's rows went through the model for the loss
 original_rows_to_train = TargetPOTrainer._rows_to_train
