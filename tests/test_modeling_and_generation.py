@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from logps_cases import logps_entropies_and_gradients, padded_batch
 
 from targetpo.generation import TransformersGenerator, completion_masks
 from targetpo.modeling import (
@@ -80,38 +81,18 @@ def test_suppressed_tokens_get_no_probability(tiny_model):
     assert torch.all(entropies <= math.log(2) + 1e-6) and torch.isfinite(entropies).all()
 
 
-def _padded_batch(generator):
-    prompt_ids = torch.randint(3, 60, (4, 6), generator=generator)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[0, :3] = 0  # left padding
-    prompt_mask[2, :1] = 0
-    completion_ids = torch.randint(3, 60, (4, 7), generator=generator)
-    completion_mask = torch.ones_like(completion_ids)
-    completion_mask[1, 4:] = 0  # right padding: shorter completions
-    completion_mask[2, 2:] = 0
-    completion_mask[3, 6:] = 0
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
-
-
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 def test_chunked_logps_equal_the_full_logits_path(tiny_model, dtype, atol, chunk_size):
     model = tiny_model.to(dtype)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = _padded_batch(torch.Generator().manual_seed(0))
+    batch = padded_batch(torch.Generator().manual_seed(0))
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     kwargs = dict(temperature=0.7, with_entropy=True, suppressed_token_ids=torch.tensor([4, 9, 11]))
     mask = completion_mask.bool()
     weights = torch.rand(completion_mask.shape, generator=torch.Generator().manual_seed(1)) * completion_mask
 
-    results = {}
-    for name, size in (("full", None), ("chunked", chunk_size)):
-        model.zero_grad()
-        logps, entropies = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                            chunk_size=size, **kwargs)
-        (torch.where(mask, logps, torch.zeros_like(logps)) * weights).sum().backward()
-        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        results[name] = (logps.detach(), entropies, grads)
-
-    (full_logps, full_entropy, full_grads), (logps, entropies, grads) = results["full"], results["chunked"]
+    full_logps, full_entropy, full_grads = logps_entropies_and_gradients(model, batch, weights, chunk_size=None, **kwargs)
+    logps, entropies, grads = logps_entropies_and_gradients(model, batch, weights, chunk_size=chunk_size, **kwargs)
     assert logps.dtype == torch.float32 and logps.shape == completion_ids.shape
     assert torch.allclose(logps[mask], full_logps[mask], atol=atol)
     assert torch.allclose(entropies[mask], full_entropy[mask], atol=atol)

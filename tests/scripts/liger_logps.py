@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 set before Python starts"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,7 +22,9 @@ from liger_kernel.transformers import functional as liger_functional  # noqa: E4
 
 from targetpo import TargetPOConfig, TargetPOTrainer  # noqa: E402
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
-from targetpo.modeling import completion_logps  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers the in-process tests use
+from logps_cases import logps_entropies_and_gradients, padded_batch  # noqa: E402
 
 calls = []
 original_kernel = liger_functional.liger_fused_linear_cross_entropy
@@ -35,32 +38,17 @@ def counting_kernel(*args, **kwargs):
 liger_functional.liger_fused_linear_cross_entropy = counting_kernel
 
 
-def padded_batch(vocab_size, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    prompt_ids = torch.randint(3, vocab_size, (4, 5), generator=generator)
-    prompt_mask = torch.ones(4, 5, dtype=torch.long)
-    prompt_mask[0, :2] = 0  # left padding
-    completion_ids = torch.randint(3, vocab_size, (4, 6), generator=generator)
-    completion_mask = torch.ones(4, 6, dtype=torch.long)
-    completion_mask[1, 3:] = 0  # right padding
-    completion_mask[2, 5:] = 0
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
-
-
 def compare(dtype):
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=64, seed=0).to(dtype)
-    batch = padded_batch(len(tokenizer))
+    batch = padded_batch(torch.Generator().manual_seed(0))
     mask = batch[3].bool()
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
-    results = {}
-    for name, options in (("full", {}), ("liger", {"chunk_size": 3, "liger": True})):
-        model.zero_grad()
-        logps, entropies = completion_logps(model, *batch, temperature=0.7, with_entropy=True, **options)
-        (torch.where(mask, logps, torch.zeros_like(logps)) * weights).sum().backward()
-        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        results[name] = (logps.detach(), entropies, grads)
-    (full, full_entropy, full_grads), (liger, liger_entropy, liger_grads) = results["full"], results["liger"]
+    options = dict(temperature=0.7, with_entropy=True)
+    full, full_entropy, full_grads = logps_entropies_and_gradients(model, batch, weights, **options)
+    liger, liger_entropy, liger_grads = logps_entropies_and_gradients(
+        model, batch, weights, chunk_size=3, liger=True, **options
+    )
     return {
         "logps_max_diff": (liger[mask] - full[mask]).abs().max().item(),
         "entropy_max_diff": (liger_entropy[mask] - full_entropy[mask]).abs().max().item(),
