@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "grpo_loss",
     "informative_groups",
+    "rollout_diagnostics",
     "rows_with_gradient",
     "scale_token_gradients",
     "sequence_logps",
@@ -282,6 +283,31 @@ def scale_token_gradients(per_token_logps: torch.Tensor, weights: torch.Tensor) 
     """
     weights = weights.detach().to(per_token_logps.dtype)
     return per_token_logps + (weights - 1) * (per_token_logps - per_token_logps.detach())
+
+
+def rollout_diagnostics(
+    scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Summary statistics of a rollout's scores, as 0-d tensors.
+
+    * ``reward``: mean score over every completion sampled (invalid ones included: they were sampled and scored).
+    * ``reward_std``: mean, over groups with a valid member, of the population std of the group's valid scores —
+      the spread the whitening into ``u`` divides by; NaN when no group has a valid member.
+    * ``informative_group_fraction``: fraction of groups whose valid scores vary (see :func:`informative_groups`).
+    """
+    grouped = _group(_as_float(scores.detach()), num_generations, "scores")
+    valid = _group_valid(valid_mask, scores, num_generations)
+    count = valid.sum(dim=-1)
+    zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
+    mean = torch.where(valid, grouped, zero).sum(dim=-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)
+    variance = torch.where(valid, (grouped - mean).square(), zero).sum(dim=-1) / count.clamp(min=1)
+    has_valid = count > 0
+    nan = torch.tensor(float("nan"), dtype=grouped.dtype, device=grouped.device)
+    return {
+        "reward": grouped.mean(),
+        "reward_std": variance.sqrt()[has_valid].mean() if has_valid.any() else nan,
+        "informative_group_fraction": _informative_groups(grouped, valid).float().mean(),
+    }
 
 
 def tpo_target_diagnostics(

@@ -62,6 +62,13 @@ from .rewards import RewardFunc, RewardScorer
 
 Batch = dict[str, Any]
 
+#: The rollout's score statistics (``F.rollout_diagnostics``) and the names they are logged under.
+ROLLOUT_DIAGNOSTICS = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "informative_group_fraction": "tpo/informative_group_fraction",
+}
+
 #: Reward functions receive these by name; a dataset column may not use them.
 RESERVED_REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
 
@@ -733,11 +740,11 @@ class TargetPOTrainer(Trainer):
             if scored.numel() > 0:
                 metrics[f"rewards/{name}/mean"].append(scored.mean().item())
                 metrics[f"rewards/{name}/std"].append(scored.std(unbiased=False).item())
-        grouped = scores_all.view(-1, self.args.num_generations)
-        metrics["reward"].append(scores_all.mean().item())
-        metrics["reward_std"].append(grouped.std(dim=1, unbiased=False).mean().item())
-        informative = F.informative_groups(scores_all, self.args.num_generations, valid_all)
-        metrics["tpo/informative_group_fraction"].append(informative.float().mean().item())
+        diagnostics = F.rollout_diagnostics(scores_all, self.args.num_generations, valid_all)
+        for name, logged_as in ROLLOUT_DIAGNOSTICS.items():
+            value = diagnostics[name].item()
+            if not math.isnan(value):  # reward_std has none when no completion is valid
+                metrics[logged_as].append(value)
 
     def _record_importance_weights(
         self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor

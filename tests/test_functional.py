@@ -269,6 +269,19 @@ def test_target_diagnostics_closed_form():
     assert torch.equal(F.informative_groups(scores, 3), torch.tensor([True, True, False]))
 
 
+def test_rollout_diagnostics_closed_form():
+    # Group 1: valid scores 1, 3, 5 (the 100 is invalid); group 2: all equal; group 3: valid 4 and 0; group 4: none
+    # valid, so it has no spread to average.
+    scores = t([1.0, 3.0, 100.0, 5.0, 2.0, 2.0, 2.0, 2.0, 7.0, 4.0, 0.0, 9.0, 6.0, 6.0, 1.0, 1.0])
+    valid = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    d = F.rollout_diagnostics(scores, 4, valid)
+    assert d["reward"].item() == pytest.approx(sum(scores.tolist()) / 16)  # every sampled completion
+    # Population std over the valid members, as the whitening uses: sqrt(8/3), 0 and 2.
+    assert d["reward_std"].item() == pytest.approx((math.sqrt(8 / 3) + 0.0 + 2.0) / 3, rel=1e-12)
+    assert d["informative_group_fraction"].item() == pytest.approx(2 / 4)
+    assert math.isnan(F.rollout_diagnostics(scores, 4, torch.zeros(16, dtype=torch.bool))["reward_std"].item())
+
+
 def test_huge_scores_do_not_overflow():
     u = F.tpo_scores(torch.tensor([1e30, -1e30, 3e30, -3e30]), num_generations=4)
     expected = torch.tensor([1.0, -1.0, 3.0, -3.0]) / math.sqrt(5.0)

@@ -1,0 +1,87 @@
+"""Hand-built references for the trainer's computations, written from the method's definition.
+
+Nothing here calls ``targetpo``: token log-probs come from the model's full logits, and the whitening, the target,
+the losses and the metrics are written out directly, so a test comparing the trainer with them compares two
+independent computations.
+"""
+
+import torch
+
+
+def token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, suppressed=()):
+    """``(B, C)`` log-probs of the completion tokens under ``model``, at ``temperature`` and with ``suppressed``
+    token ids given no probability (as sampling saw them), 0 outside ``completion_mask``; and ``(B, C)`` entropies
+    of those distributions."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding takes no position, as in generate
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+    logits = logits[:, prompt_ids.size(1) - 1 : -1].float() / temperature
+    if len(suppressed):
+        logits[..., list(suppressed)] = float("-inf")
+    log_probs = torch.log_softmax(logits, dim=-1)
+    picked = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    # Padding after EOS may be a suppressed token (-inf): it is outside every mask, so it reads 0.
+    picked = torch.where(completion_mask.bool(), picked, torch.zeros_like(picked))
+    entropy = -(log_probs.exp() * log_probs.nan_to_num(neginf=0.0)).sum(-1)
+    return picked, entropy.detach()
+
+
+def sequence_logps(per_token, mask, length_normalize):
+    """Mean (or sum) of the token log-probs over the mask."""
+    total = (per_token * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if length_normalize else total
+
+
+def whitened(scores, valid, num_generations):
+    """Population z-score per group over the valid members; 0 for invalid members and equal-score groups."""
+    u = torch.zeros(len(scores), dtype=torch.float64)
+    for start in range(0, len(scores), num_generations):
+        members = [i for i in range(start, start + num_generations) if valid[i]]
+        values = torch.tensor([float(scores[i]) for i in members], dtype=torch.float64)
+        if len(members) and values.std(unbiased=False) > 0:
+            u[members] = (values - values.mean()) / values.std(unbiased=False)
+    return u
+
+
+def targets(old_sequence, u, valid, num_generations, eta):
+    """q = softmax(l_old + u / eta) over each group's valid members, 0 elsewhere."""
+    q = torch.zeros(len(u), dtype=torch.float64)
+    for start in range(0, len(u), num_generations):
+        members = [i for i in range(start, start + num_generations) if valid[i]]
+        if members:
+            logits = old_sequence.detach().double()[members] + u[members] / eta
+            q[members] = torch.softmax(logits, dim=0)
+    return q
+
+
+def tpo_loss(sequence, q, valid, num_generations, counted_groups=None):
+    """Mean over groups of -sum_i q_i log_softmax(l)_i over the valid members; ``counted_groups`` (bools) gives 0
+    to the groups left out of a step while they still count in the mean."""
+    losses = []
+    for group, start in enumerate(range(0, len(q), num_generations)):
+        members = [i for i in range(start, start + num_generations) if valid[i]]
+        if not members or (counted_groups is not None and not counted_groups[group]):
+            losses.append(sequence.sum() * 0)
+            continue
+        log_policy = torch.log_softmax(sequence[members], dim=0)
+        losses.append(-(q[members].to(log_policy.dtype) * log_policy).sum())
+    return torch.stack(losses).mean()
+
+
+def grpo_loss(per_token, old_per_token, u, mask, epsilon):
+    """Clipped surrogate, token mean per sequence, mean over sequences; also the fraction of tokens it clipped."""
+    ratio = torch.exp(per_token - old_per_token.detach())
+    advantage = u.to(ratio.dtype).unsqueeze(-1)
+    unclipped = ratio * advantage
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon) * advantage
+    per_token_loss = -torch.minimum(unclipped, clipped)
+    was_clipped = (clipped < unclipped) & mask.bool()
+    per_sequence = (per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sequence.mean(), was_clipped.float().sum() / mask.sum()
+
+
+def kl(per_token, ref_per_token, mask):
+    """Token mean of exp(r) - r - 1, r = logp_ref - logp, over the completion tokens."""
+    r = (ref_per_token - per_token) * mask
+    return ((torch.exp(r) - r - 1) * mask).sum() / mask.sum()

@@ -1,0 +1,373 @@
+"""Every optimiser step of the trainer, checked by value against a hand-built reference.
+
+The runs use plain SGD (no momentum, no weight decay, no gradient clipping, a constant learning rate), so one
+optimiser step moves the weights by exactly ``-lr`` times the gradient. The reference gradient is built in
+``reference.py`` without the library: token log-probs from the model's full logits, the group z-score, ``q`` from
+the weights each rollout was made with, and the loss over exactly the rows each micro-step of the step held, divided
+by the gradient-accumulation steps. Which rows a micro-step holds is derived here from the documented schedule (a
+rollout serves its step batches in turn, ``num_iterations`` times over), never read from what the trainer used.
+"""
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import reference as ref
+import torch
+from conftest import make_config
+from datasets import Dataset
+
+from targetpo import TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm
+
+PROMPTS = ["Say cat:", "Say dog:", "Say sun:", "Say map:", "Say pen:", "Say cup:", "Say box:", "Say hat:"]
+ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask", "completion_mask")
+
+
+def letter_score(completions, **kwargs):
+    """A dense reward: almost every group's completions score differently."""
+    return [float(sum(ord(character) % 5 for character in text)) for text in completions]
+
+
+@dataclass
+class RecordedRun:
+    """What a training run did, recorded from the outside: rollouts, their rewards and the weights over time."""
+
+    rollouts: list = field(default_factory=list)  # (copy of the model when the rollout was made, its tensors)
+    rewards: list = field(default_factory=list)  # what the reward function returned, call by call
+    step_weights: dict = field(default_factory=dict)  # global step -> copy of the model at its start
+    trainer: TargetPOTrainer | None = None
+
+
+def train_and_record(tmp_path, tokenizer, monkeypatch, model=None, peft_config=None, dataset=None, **overrides):
+    run = RecordedRun()
+    original_rollout = TargetPOTrainer._rollout
+    original_loss = TargetPOTrainer.compute_loss
+
+    def recording_rollout(self, rows, mode):
+        weights = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+        batch = original_rollout(self, rows, mode)
+        if mode == "train":
+            run.rollouts.append((weights, {key: batch[key].clone() for key in ROLLOUT_TENSORS}))
+        return batch
+
+    def recording_loss(self, model, inputs, *args, **kwargs):
+        if model.training and self.state.global_step not in run.step_weights:
+            run.step_weights[self.state.global_step] = copy.deepcopy(self.accelerator.unwrap_model(model))
+        return original_loss(self, model, inputs, *args, **kwargs)
+
+    def recording_reward(completions, **kwargs):
+        scores = letter_score(completions)
+        run.rewards.append(scores)
+        return scores
+
+    monkeypatch.setattr(TargetPOTrainer, "_rollout", recording_rollout)
+    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    if model is None:
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    settings = dict(
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, learning_rate=0.2, logging_steps=1,
+        max_completion_length=5,
+    )
+    settings.update(overrides)
+    trainer = TargetPOTrainer(
+        model, recording_reward, args=make_config(tmp_path, **settings),
+        train_dataset=dataset or Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    run.trainer = trainer
+    trainer.train()
+    run.step_weights[trainer.state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
+    return run
+
+
+def suppressed_ids(args):
+    return tuple((args.generation_kwargs or {}).get("suppress_tokens", ()))
+
+
+def micro_steps(run):
+    """(optimiser step, rollout index, rows, whether the weights are still the rollout's) of every micro-step, from
+    the documented schedule."""
+    args = run.trainer.args
+    uses_per_rollout = args.steps_per_generation * args.num_iterations
+    rows_per_step = args.per_device_train_batch_size
+    schedule = []
+    for index in range(run.trainer.state.global_step * args.gradient_accumulation_steps):
+        rollout, use = divmod(index, uses_per_rollout)
+        step = index // args.gradient_accumulation_steps
+        made_at = rollout * uses_per_rollout // args.gradient_accumulation_steps
+        start = (use % args.steps_per_generation) * rows_per_step
+        schedule.append((step, rollout, slice(start, start + rows_per_step), step == made_at))
+    return schedule
+
+
+def trained_groups(u, valid, num_generations, at_rollout_weights):
+    """The groups a step trains (the rest have no gradient): two or more valid members and, while the weights are
+    still the rollout's (so p = p_old = q for equal scores), scores that differ."""
+    groups = []
+    for start in range(0, len(u), num_generations):
+        members = range(start, start + num_generations)
+        live = sum(bool(valid[i]) for i in members) >= 2
+        if at_rollout_weights:
+            live = live and any(u[i] != 0 for i in members if valid[i])
+        groups.append(live)
+    return groups
+
+
+def reference_step(run, step, reference_model=None, loss_type="tpo"):
+    """The loss, gradient (by parameter name) and metrics of optimiser step ``step``, built by hand."""
+    args = run.trainer.args
+    K = args.num_generations
+    model = copy.deepcopy(run.step_weights[step]).train()
+    model.zero_grad()
+    total, entropies, kls, losses, clipped, built_targets = 0, [], [], [], [], []
+    for _, rollout, rows, at_rollout_weights in [entry for entry in micro_steps(run) if entry[0] == step]:
+        rollout_model, tensors = run.rollouts[rollout]
+        batch = {key: value[rows] for key, value in tensors.items()}
+        inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_attention_mask"])
+        mask = batch["completion_mask"].float()
+        valid = mask.any(dim=1)
+        u = ref.whitened(run.rewards[rollout], tensors["completion_mask"].any(dim=1), K)[rows]
+        trained = trained_groups(u, valid, K, at_rollout_weights) if args.beta == 0 else [True] * (len(u) // K)
+        trained_rows = torch.tensor(trained).repeat_interleave(K) & valid
+        logps, entropy = ref.token_logps(model, *inputs, args.temperature, suppressed_ids(args))
+        with torch.no_grad():
+            old, _ = ref.token_logps(rollout_model, *inputs, args.temperature, suppressed_ids(args))
+        if loss_type == "tpo":
+            normalize = args.tpo_length_normalize_logps
+            q = ref.targets(ref.sequence_logps(old, mask, normalize), u, valid, K, args.tpo_target_temperature)
+            built_targets.append((q, trained))
+            sequence = ref.sequence_logps(logps, mask, normalize)
+            loss = ref.tpo_loss(sequence, q, valid, K)
+            # The logged loss leaves out the skipped groups' constant cross-entropy (0 gradient either way).
+            logged_loss = ref.tpo_loss(sequence, q, valid, K, counted_groups=trained).item()
+        else:
+            loss, fraction = ref.grpo_loss(logps, old, u, mask, args.epsilon)
+            clipped.append(fraction.item())
+            logged_loss = loss.item()
+        if args.beta > 0:
+            with torch.no_grad():
+                reference_logps, _ = ref.token_logps(reference_model, *inputs, args.temperature, suppressed_ids(args))
+            kl = ref.kl(logps, reference_logps, mask)
+            loss = loss + args.beta * kl
+            kls.append(kl.item())
+            logged_loss += args.beta * kl.item()
+        total = total + loss / args.gradient_accumulation_steps
+        losses.append(logged_loss)
+        trained_mask = mask * trained_rows.unsqueeze(-1)
+        if trained_mask.any():
+            entropies.append(((entropy * trained_mask).sum() / trained_mask.sum()).item())
+    total.backward()
+    gradients = {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+    return {
+        "loss": losses, "gradients": gradients, "entropy": entropies, "kl": kls, "clipped": clipped,
+        "targets": built_targets,
+    }
+
+
+def weight_change(run, step):
+    before = dict(run.step_weights[step].named_parameters())
+    return {name: param.detach() - before[name].detach() for name, param in run.step_weights[step + 1].named_parameters()}
+
+
+def assert_step_matches(run, step, expected):
+    lr = run.trainer.args.learning_rate
+    change = weight_change(run, step)
+    assert set(expected["gradients"]) == {name for name, param in run.step_weights[step].named_parameters() if param.requires_grad}
+    largest = max(gradient.abs().max().item() for gradient in expected["gradients"].values())
+    assert largest * lr > 1e-3, "the reference step must move the weights measurably"
+    for name, gradient in expected["gradients"].items():
+        torch.testing.assert_close(change[name], -lr * gradient, atol=2e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def logged(run, step, name):
+    return next(entry[name] for entry in run.trainer.state.log_history if entry.get("step") == step + 1 and name in entry)
+
+
+#: Sampling that allows only a few letters and EOS: completions of varied lengths, and suppressed tokens whose
+#: probability must be left out of the trainer's log-probs.
+def few_letters(tokenizer):
+    allowed = {tokenizer.convert_tokens_to_ids(c) for c in "abce"} | {tokenizer.eos_token_id}
+    return {"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]}
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(temperature=0.7, tpo_target_temperature=0.5, tpo_length_normalize_logps=False),
+        # Two micro-steps of one rollout in one optimiser step: the loss is divided by the accumulation steps and
+        # each micro-step gets its own step batch.
+        dict(steps_per_generation=2, gradient_accumulation_steps=2, tpo_target_temperature=2.0),
+        # One rollout serves two optimiser steps: the second fits q built from the rollout's weights.
+        dict(steps_per_generation=2, max_steps=4),
+        # Two epochs over each rollout: q stays the one built from the rollout's weights.
+        dict(num_iterations=2, max_steps=4, tpo_length_normalize_logps=False),
+        # Two rollouts in one optimiser step, with invalid (truncated) members.
+        dict(gradient_accumulation_steps=2, mask_truncated_completions=True, max_completion_length=3),
+    ],
+    ids=["default", "temperatures-and-sums", "accumulated-step-batches", "rollout-serves-two-steps",
+         "two-epochs", "two-rollouts-with-invalid-members"],
+)
+def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, tokenizer, monkeypatch, settings):
+    settings = {"max_steps": 2, "generation_kwargs": few_letters(tokenizer), **settings}
+    run = train_and_record(tmp_path, tokenizer, monkeypatch, **settings)
+    for step in range(run.trainer.state.global_step):
+        expected = reference_step(run, step)
+        assert_step_matches(run, step, expected)
+        assert logged(run, step, "entropy") == pytest.approx(sum(expected["entropy"]) / len(expected["entropy"]), rel=1e-5)
+        assert logged(run, step, "loss") == pytest.approx(sum(expected["loss"]) / len(expected["loss"]), rel=1e-4)
+    if settings.get("mask_truncated_completions"):
+        completions = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
+        assert not completions.any(1).all(), "the run must have invalid members to test"
+
+
+def test_kl_term_trains_towards_the_frozen_reference(tmp_path, tokenizer, monkeypatch):
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    initial = copy.deepcopy(model)
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, model=model, beta=0.5, max_steps=3, generation_kwargs=few_letters(tokenizer)
+    )
+    for step in range(3):
+        expected = reference_step(run, step, reference_model=initial)
+        assert_step_matches(run, step, expected)
+        assert logged(run, step, "kl") == pytest.approx(expected["kl"][0], rel=1e-4, abs=1e-9)
+    assert logged(run, 2, "kl") > 1e-4  # by the last step the policy has left the reference
+
+
+def test_peft_reference_is_the_adapter_free_base_and_kl_trains_the_adapters(tmp_path, tokenizer, monkeypatch):
+    from peft import LoraConfig
+
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    base = copy.deepcopy(model)
+    # Random adapters (not the usual B = 0), so the policy differs from its base from the first step.
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, model=model, peft_config=lora, beta=2.0, max_steps=2,
+        generation_kwargs=few_letters(tokenizer),
+    )
+    for step in range(2):
+        expected = reference_step(run, step, reference_model=base)
+        assert_step_matches(run, step, expected)
+        assert all("lora_" in name for name in expected["gradients"])
+        assert logged(run, step, "kl") == pytest.approx(expected["kl"][0], rel=1e-4)
+    assert logged(run, 0, "kl") > 1e-3  # the adapters already move the policy off the base at step 1
+
+
+def test_grpo_steps_use_the_rollout_log_probs_and_clip(tmp_path, tokenizer, monkeypatch):
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, loss_type="grpo", num_iterations=2, max_steps=2, learning_rate=20.0,
+        epsilon=0.05, generation_kwargs=few_letters(tokenizer),
+    )
+    first, second = reference_step(run, 0, loss_type="grpo"), reference_step(run, 1, loss_type="grpo")
+    assert first["clipped"] == [0.0]  # at the rollout's weights every ratio is 1
+    assert second["clipped"][0] > 0.05, "the second epoch must clip some tokens for this test to mean anything"
+    assert_step_matches(run, 0, first)
+    assert_step_matches(run, 1, second)
+
+
+def test_logged_metrics_match_their_definitions(tmp_path, tokenizer, monkeypatch):
+    """Each rollout and target metric of a real run, recomputed from what the run sampled and scored."""
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, max_steps=3, mask_truncated_completions=True, max_completion_length=3,
+        generation_kwargs=few_letters(tokenizer),
+    )
+    K = run.trainer.args.num_generations
+    eos = tokenizer.eos_token_id
+    saw_invalid = False
+    for step, ((_, tensors), rewards) in enumerate(zip(run.rollouts, run.rewards)):
+        lengths = tensors["completion_attention_mask"].sum(dim=1).float()
+        ended = (tensors["completion_ids"] == eos).any(dim=1)
+        valid = ended  # truncated completions are masked out
+        saw_invalid |= bool((~valid).any())
+        scores = torch.tensor(rewards, dtype=torch.float64)
+        spreads, informative = [], []
+        for start in range(0, len(scores), K):
+            group = scores[start : start + K][valid[start : start + K]]
+            if len(group):
+                spreads.append(group.std(unbiased=False).item())
+            informative.append(len(group) > 0 and bool(group.max() > group.min()))
+        expected = {
+            "reward": scores.mean().item(),
+            "reward_std": sum(spreads) / len(spreads),
+            "rewards/recording_reward/mean": scores.mean().item(),
+            "rewards/recording_reward/std": scores.std(unbiased=False).item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": (~ended).float().mean().item(),
+            "completions/valid_fraction": valid.float().mean().item(),
+            "tpo/informative_group_fraction": sum(informative) / len(informative),
+        }
+        for name, value in expected.items():
+            assert logged(run, step, name) == pytest.approx(value, rel=1e-6, abs=1e-9), name
+
+        # q is built at the step (the default), for the groups the step trains.
+        [(q, trained)] = reference_step(run, step)["targets"]
+        entropies, best_masses = [], []
+        for group, start in enumerate(range(0, len(q), K)):
+            members = valid[start : start + K]
+            if not trained[group]:
+                continue
+            group_q, group_scores = q[start : start + K][members], scores[start : start + K][members]
+            entropies.append(-(group_q * group_q.clamp(min=1e-300).log()).sum().item())
+            if group_scores.max() > group_scores.min():
+                best_masses.append(group_q[group_scores == group_scores.max()].sum().item())
+        assert logged(run, step, "tpo/target_entropy") == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
+        assert logged(run, step, "tpo/best_completion_target_mass") == pytest.approx(
+            sum(best_masses) / len(best_masses), rel=1e-5
+        )
+        # Every completion but the valid members of the trained groups is left out of the forward pass.
+        trained_rows = sum(int(valid[g * K : (g + 1) * K].sum()) for g, group in enumerate(trained) if group)
+        assert logged(run, step, "completions/skipped_fraction") == pytest.approx(1 - trained_rows / len(q))
+    assert saw_invalid, "the run must have invalid completions for the valid-only definitions to matter"
+
+
+def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer):
+    """The truncated weights ``min(p_trainer / p_sampler, cap)`` multiply each token's gradient, not its value.
+
+    The sampler that reports its own log-probs is a vLLM engine (covered end to end by the real-engine tests in
+    test_vllm.py); here a real rollout gets sampler log-probs set by hand, so the weights are known exactly.
+    """
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), vllm_importance_sampling_cap=1.5)
+    trainer = TargetPOTrainer(
+        model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
+    )
+    trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_attention_mask"])
+    mask = batch["completion_mask"].float()
+    with torch.no_grad():
+        trainer_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
+    # Offsets that give weights below 1, at 1, between 1 and the cap, and above it (capped).
+    offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
+    batch["sampler_per_token_logps"] = (trainer_logps + offsets) * mask
+    weights = torch.exp(-offsets).clamp(max=1.5)
+
+    model.zero_grad()
+    trainer.compute_loss(model, batch).backward()
+    got = {name: param.grad.clone() for name, param in model.named_parameters()}
+
+    hand = copy.deepcopy(model)
+    hand.zero_grad()
+    logps, _ = ref.token_logps(hand, *inputs, 1.0, suppressed_ids(args))
+    weighted = logps.detach() + weights * (logps - logps.detach())  # value unchanged, gradient times the weight
+    valid = mask.any(dim=1)
+    u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
+        [ids[: int(n)] for ids, n in zip(batch["completion_ids"], batch["completion_attention_mask"].sum(1))],
+        skip_special_tokens=True,
+    )), valid, 4)
+    q = ref.targets(ref.sequence_logps(logps, mask, True), u, valid, 4, 1.0)
+    ref.tpo_loss(ref.sequence_logps(weighted, mask, True), q, valid, 4).backward()
+    assert any(grad.abs().max() > 1e-4 for grad in got.values())
+    for name, param in hand.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+    on = mask.bool()
+    metrics = trainer._metrics["train"]
+    assert metrics["vllm/logp_abs_diff"] == [pytest.approx(offsets[on].abs().mean().item(), rel=1e-5)]
+    assert metrics["vllm/importance_weight_mean"] == [pytest.approx(weights[on].mean().item(), rel=1e-5)]
+    assert metrics["vllm/importance_weight_min"] == [pytest.approx(weights[on].min().item(), rel=1e-5)]
+    assert metrics["vllm/importance_weight_capped_fraction"] == [pytest.approx((offsets[on] == -1.0).float().mean().item())]
