@@ -196,6 +196,8 @@ def few_letters(tokenizer):
     [
         dict(),
         dict(temperature=0.7, tpo_target_temperature=0.5, tpo_length_normalize_logps=False),
+        # The full-logits path rather than the chunked head.
+        dict(temperature=1.3, logps_chunk_size=0),
         # Two micro-steps of one rollout in one optimiser step: the loss is divided by the accumulation steps and
         # each micro-step gets its own step batch.
         dict(steps_per_generation=2, gradient_accumulation_steps=2, tpo_target_temperature=2.0),
@@ -206,7 +208,7 @@ def few_letters(tokenizer):
         # Two rollouts in one optimiser step, with invalid (truncated) members.
         dict(gradient_accumulation_steps=2, mask_truncated_completions=True, max_completion_length=3),
     ],
-    ids=["default", "temperatures-and-sums", "accumulated-step-batches", "rollout-serves-two-steps",
+    ids=["default", "temperatures-and-sums", "full-logits-path", "accumulated-step-batches", "rollout-serves-two-steps",
          "two-epochs", "two-rollouts-with-invalid-members"],
 )
 def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, tokenizer, monkeypatch, settings):
