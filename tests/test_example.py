@@ -114,9 +114,10 @@ def test_default_demo_learns_the_sparse_task(tmp_path):
     """The README's command, as a user runs it: no arguments but the output folder, in a fresh process."""
     out = tmp_path / "demo"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # No wall-clock timeout: the run is bounded by its fixed number of steps (max_steps), and a slow or shared
+    # machine only makes it take longer.
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--output_dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=900,
+        [sys.executable, str(SCRIPT), "--output_dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "it/s" in result.stderr  # the progress bar
