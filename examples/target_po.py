@@ -61,7 +61,10 @@ class ScriptArguments:
     )
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Dataset id or path for `datasets.load_dataset`. Default: the embedded reversal task."},
+        metadata={
+            "help": "Dataset id or path for `datasets.load_dataset` (needs --model_name_or_path). Default: the embedded "
+            "reversal task."
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -75,6 +78,20 @@ class ScriptArguments:
     )
     reverse_length: int = field(default=6, metadata={"help": "Embedded task: length H of the binary strings."})
     num_prompts: int = field(default=4096, metadata={"help": "Embedded task: number of prompts generated."})
+
+
+def rollout_sampling(args: TargetPOConfig) -> dict:
+    """The `GenerationConfig` settings with which the trainer sampled rollouts (generation_kwargs last, as there)."""
+    return {
+        "do_sample": True,
+        "max_new_tokens": args.max_completion_length,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        **(args.generation_kwargs or {}),
+    }
 
 
 def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig]:
@@ -113,6 +130,12 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
     names = script_args.reward_funcs or (["exact_reversal"] if embedded_task else None)
     if not names:
         raise SystemExit("error: --reward_funcs is required with --dataset_name (built-in names or reward-model ids).")
+    if not embedded_task and script_args.model_name_or_path is None:
+        raise SystemExit(
+            "error: --dataset_name needs --model_name_or_path: the embedded demo model and its 3-character tokenizer "
+            "('0', '1', '=') can only read the embedded reversal task, not another dataset's text. Pass a model id or "
+            "path, e.g. --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct."
+        )
     reward_funcs = [BUILTIN_REWARDS.get(name, name) for name in names]
     train_dataset, eval_dataset = load_data(script_args)
 
@@ -124,8 +147,9 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             model = script_args.model_name_or_path
             tokenizer = from_pretrained_or_explain(AutoTokenizer, model, "tokenizer")
         if embedded_task:
-            # The task allows only '0' and '1', so completions are exactly H tokens long.
+            # The task allows only '0' and '1', so completions are exactly H tokens long; prompts are H bits and '='.
             training_args.max_completion_length = script_args.reverse_length
+            training_args.max_prompt_length = script_args.reverse_length + 1
             if training_args.generation_kwargs is None:
                 training_args.generation_kwargs = binary_only_generation_kwargs(tokenizer)
         trainer = TargetPOTrainer(
@@ -140,6 +164,10 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
         raise SystemExit(f"error: {error}") from error
 
     trainer.train()
+    if embedded_task:
+        # Saved with the model, so that a plain `generate` samples as the rollouts did (the trainer itself ignores a
+        # checkpoint's generation_config): only '0' and '1', exactly H of them.
+        trainer.accelerator.unwrap_model(trainer.model).generation_config.update(**rollout_sampling(training_args))
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if trainer.is_world_process_zero():

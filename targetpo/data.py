@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import datasets
 import torch
 from torch.utils.data import Sampler
 
@@ -20,7 +21,7 @@ def is_conversational(example: dict[str, Any]) -> bool:
 
 
 def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
-    """Refuse datasets the trainer cannot use, before any model work starts."""
+    """Refuse datasets the trainer cannot use, before any model work starts: every row's prompt is checked."""
     if dataset is None:
         return
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
@@ -38,18 +39,75 @@ def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
             "holding either a string or a list of chat messages; rename yours with "
             "`dataset.rename_column('question', 'prompt')`."
         )
-    prompt = first["prompt"]
-    if is_conversational(first):
-        if getattr(tokenizer, "chat_template", None) is None:
+    first_is_text = None
+    for index, prompt in enumerate(_prompts(dataset, split)):
+        problem = prompt_problem(prompt)
+        if problem is not None:
             raise ValueError(
-                f"The {split} dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
-                "template. Set `tokenizer.chat_template`, or use a standard dataset whose prompts are strings."
+                f"The {split} dataset's prompt in row {index} {problem[0]}. Every prompt must be a non-empty string or "
+                f"a non-empty list of chat messages; {problem[1]}"
             )
-    elif not isinstance(prompt, str):
+        is_text = isinstance(prompt, str)
+        if first_is_text is None:
+            first_is_text = is_text
+        elif is_text != first_is_text:
+            kinds = ("a list of chat messages", "a string") if is_text else ("a string", "a list of chat messages")
+            raise ValueError(
+                f"The {split} dataset mixes prompt formats: row 0 is {kinds[0]} but row {index} is {kinds[1]}. A batch "
+                "is rendered by its first prompt's format, so use one throughout: render conversations to strings "
+                "with `tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)` in "
+                "`dataset.map(...)`, or wrap strings as `[{'role': 'user', 'content': prompt}]`."
+            )
+    if not first_is_text and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            f"The {split} dataset's 'prompt' must be a string or a list of {{'role', 'content'}} messages, got "
-            f"{type(prompt).__name__}: {prompt!r:.80}"
+            f"The {split} dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
+            "template. Set `tokenizer.chat_template`, or use a standard dataset whose prompts are strings."
         )
+
+
+def _prompts(dataset: Any, split: str) -> Iterator[Any]:
+    """Every row's prompt in order; a `datasets.Dataset` is read a column batch at a time, not row by row."""
+    if isinstance(dataset, datasets.Dataset):
+        if dataset.format["type"] != "custom":  # a custom transform may build the prompt: read through it
+            dataset = dataset.select_columns(["prompt"]).with_format(None)
+        for batch in dataset.iter(batch_size=1000):
+            yield from batch["prompt"]
+        return
+    for index in range(len(dataset)):
+        row = dataset[index]
+        if not isinstance(row, dict) or "prompt" not in row:
+            found = list(row.keys()) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"The {split} dataset's row {index} has no 'prompt' (found {found}); every row needs one.")
+        yield row["prompt"]
+
+
+def prompt_problem(prompt: Any) -> tuple[str, str] | None:
+    """What makes a prompt unusable and how to fix it, or None for a non-empty string or list of chat messages."""
+    drop = "drop such rows with `dataset = dataset.filter(lambda row: {})`."
+    if prompt is None:
+        return "is None", drop.format("row['prompt'] is not None")
+    if isinstance(prompt, str):
+        if prompt and not prompt.isspace():
+            return None
+        return ("is empty" if not prompt else "is only whitespace"), drop.format("bool(row['prompt'].strip())")
+    if not isinstance(prompt, list):
+        return (
+            f"has type {type(prompt).__name__} ({prompt!r:.80}), not a string or a list of chat messages",
+            "convert it (e.g. `dataset.map(lambda row: {'prompt': str(row['prompt'])})`) or drop such rows.",
+        )
+    if not prompt:
+        return "is an empty list of messages", drop.format("len(row['prompt']) > 0")
+    for position, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            return (
+                f"has message {position} without a string 'role' and a 'content': {message!r:.80}",
+                "each message is a dict like `{'role': 'user', 'content': 'Hi'}`.",
+            )
+        content = message["content"]
+        if not isinstance(content, (str, list)):  # a list holds multimodal content parts
+            problem = f"has message {position} whose content is {type(content).__name__}, not a string or a list"
+            return problem, "give every message a text (or a list of content parts), or drop such rows."
+    return None
 
 
 def render_prompts(prompts: Sequence[Any], tokenizer: Any) -> list[str]:

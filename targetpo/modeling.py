@@ -7,6 +7,7 @@ import copy
 import importlib.metadata
 import inspect
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,6 +118,45 @@ def forward_accepts_position_ids(model: nn.Module) -> bool:
         return "position_ids" in inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The model's context length (``max_position_embeddings``), from a composite model's text config if it has one;
+    None when the config does not say. A PEFT model hands on its base model's config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for each in (text_config, config):
+        positions = getattr(each, "max_position_embeddings", None)
+        if isinstance(positions, int) and positions > 0:
+            return positions
+    return None
+
+
+def prompt_token_limit(max_prompt_length: int | None, max_completion_length: int, positions: int | None) -> int | None:
+    """The most prompt tokens a rollout keeps: ``max_prompt_length``, lowered so prompt and completion fit the model.
+
+    Refuses a ``max_completion_length`` that leaves no room for a prompt; warns when the model's positions bind.
+    """
+    if positions is None:
+        return max_prompt_length
+    if max_completion_length >= positions:
+        raise ValueError(
+            f"max_completion_length={max_completion_length} leaves no room for a prompt: the model has {positions} "
+            f"positions (max_position_embeddings) for prompt and completion together. Set max_completion_length "
+            f"below {positions}, leaving room for the prompts."
+        )
+    room = positions - max_completion_length
+    if max_prompt_length is None or max_prompt_length > room:
+        warnings.warn(
+            f"The model has {positions} positions and max_completion_length={max_completion_length}, so prompts "
+            f"longer than {room} tokens keep their last {room} (max_prompt_length={max_prompt_length}). Set "
+            f"max_prompt_length to at most {room} to make this explicit, or lower max_completion_length.",
+            stacklevel=3,
+        )
+        return room
+    return max_prompt_length
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:

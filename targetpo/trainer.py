@@ -53,7 +53,9 @@ from .modeling import (
     is_peft_model,
     liger_head_problem,
     load_tokenizer,
+    max_positions,
     model_identifier,
+    prompt_token_limit,
     require_liger,
     supports_chunked_head,
 )
@@ -152,6 +154,10 @@ class TargetPOTrainer(Trainer):
         tokenizer = load_tokenizer(policy, processing_class)
         validate_prompt_dataset(train_dataset, "train", tokenizer)
         validate_prompt_dataset(eval_dataset, "eval", tokenizer)
+        # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
+        self._max_prompt_tokens = prompt_token_limit(
+            args.max_prompt_length, args.max_completion_length, max_positions(policy)
+        )
         for dataset in (train_dataset, eval_dataset):
             clashes = RESERVED_REWARD_ARGUMENTS & set(getattr(dataset, "column_names", None) or [])
             if clashes:
@@ -278,11 +284,9 @@ class TargetPOTrainer(Trainer):
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
         policy = self.accelerator.unwrap_model(self.model)
         max_model_len = args.vllm_max_model_length
-        if max_model_len is None and args.max_prompt_length is not None:
+        if max_model_len is None and self._max_prompt_tokens is not None:
             # Room for the longest prompt and completion, within what the model's positions allow.
-            max_model_len = args.max_prompt_length + args.max_completion_length
-            model_limit = getattr(policy.config, "max_position_embeddings", None)
-            max_model_len = min(max_model_len, model_limit) if model_limit else max_model_len
+            max_model_len = self._max_prompt_tokens + args.max_completion_length
         return VLLMColocateGenerator(
             policy,
             settings,
@@ -449,7 +453,8 @@ class TargetPOTrainer(Trainer):
         return batch
 
     def _tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask; long prompts keep their last ``max_prompt_length`` tokens."""
+        """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
+        leave the completion room within the model's positions)."""
         conversational = not isinstance(prompts[0], str)
         encoded = self.processing_class(
             text=render_prompts(prompts, self.processing_class),
@@ -460,9 +465,9 @@ class TargetPOTrainer(Trainer):
         )
         prompt_ids = encoded["input_ids"].to(self.accelerator.device)
         prompt_mask = encoded["attention_mask"].to(self.accelerator.device)
-        if self.args.max_prompt_length is not None:
-            prompt_ids = prompt_ids[:, -self.args.max_prompt_length :]
-            prompt_mask = prompt_mask[:, -self.args.max_prompt_length :]
+        if self._max_prompt_tokens is not None:
+            prompt_ids = prompt_ids[:, -self._max_prompt_tokens :]
+            prompt_mask = prompt_mask[:, -self._max_prompt_tokens :]
         return prompt_ids, prompt_mask
 
     def _generation_model(self):

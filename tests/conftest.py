@@ -57,6 +57,7 @@ def make_config(tmp_path, **overrides):
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=8,
         num_generations=4,
+        max_prompt_length=64,  # with the completion, within the tiny models' 128 positions
         max_completion_length=6,
         max_steps=2,
         learning_rate=1e-2,

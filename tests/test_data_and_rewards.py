@@ -45,11 +45,73 @@ def test_dataset_checks(tokenizer):
         validate_prompt_dataset(Dataset.from_dict({"text": ["a"]}), "train", tokenizer)
     with pytest.raises(ValueError, match="empty"):
         validate_prompt_dataset(Dataset.from_dict({"prompt": []}), "eval", tokenizer)
-    with pytest.raises(ValueError, match="must be a string or a list"):
+    with pytest.raises(ValueError, match="row 0 has type int"):
         validate_prompt_dataset(Dataset.from_dict({"prompt": [3]}), "train", tokenizer)
     streaming = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
     with pytest.raises(ValueError, match="map-style"):
         validate_prompt_dataset(streaming, "train", tokenizer)
+
+
+def chat(content):
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.parametrize(
+    "first, bad, message",
+    [
+        ("ok", None, "row 5 is None.*filter"),
+        ("ok", 3, "row 5 has type int"),
+        ("ok", {"role": "user", "content": "Hi"}, "row 5 has type dict"),
+        ("ok", "", "row 5 is empty.*filter"),
+        ("ok", " \n", "row 5 is only whitespace"),
+        ("ok", ["Hi", "there"], "row 5 has message 0 without a string 'role'"),
+        (chat("ok"), [], "row 5 is an empty list of messages"),
+        (chat("ok"), [{"role": "user"}], "row 5 has message 0 without a string 'role' and a 'content'"),
+        (chat("ok"), chat("ok") + [{"content": "Hi"}], "row 5 has message 1 without"),
+        (chat("ok"), chat(3), "row 5 has message 0 whose content is int"),
+        (chat("ok"), chat(None), "row 5 has message 0 whose content is NoneType"),
+        ("ok", chat("Hi"), "mixes prompt formats: row 0 is a string but row 5 is a list of chat messages"),
+        (chat("ok"), "Hi", "mixes prompt formats: row 0 is a list of chat messages but row 5 is a string"),
+    ],
+)
+def test_every_row_prompt_is_checked(tokenizer, first, bad, message):
+    rows = [{"prompt": first}] * 5 + [{"prompt": bad}] + [{"prompt": first}] * 3  # any map-style dataset
+    with pytest.raises(ValueError, match=f"The eval dataset's .*{message}|The eval dataset {message}"):
+        validate_prompt_dataset(rows, "eval", tokenizer)
+
+
+def test_every_row_of_a_datasets_dataset_is_checked(tokenizer):
+    for bad, message in [(None, "is None"), ("", "is empty"), ("  ", "is only whitespace")]:
+        dataset = Dataset.from_dict({"prompt": ["ok"] * 1500 + [bad], "answer": ["a"] * 1501})
+        with pytest.raises(ValueError, match=f"The train dataset's prompt in row 1500 {message}"):
+            validate_prompt_dataset(dataset, "train", tokenizer)
+        # Shuffled and selected rows are numbered as the trainer will read them.
+        with pytest.raises(ValueError, match=f"row 3 {message}"):
+            validate_prompt_dataset(dataset.select([0, 1, 2, 1500, 4]), "train", tokenizer)
+    conversations = Dataset.from_dict({"prompt": [chat("ok")] * 3 + [chat(None)]})
+    with pytest.raises(ValueError, match="row 3 has message 0 whose content is NoneType"):
+        validate_prompt_dataset(conversations, "train", tokenizer)
+    multimodal = [{"role": "user", "content": [{"type": "text", "text": "Describe"}]}]
+    validate_prompt_dataset([{"prompt": multimodal}, {"prompt": chat("ok")}], "train", tokenizer)
+    with pytest.raises(ValueError, match="row 1 has no 'prompt' \\(found \\['text'\\]\\)"):
+        validate_prompt_dataset([{"prompt": "ok"}, {"text": "ok"}], "train", tokenizer)
+
+
+def test_prompts_are_read_a_batch_at_a_time_through_a_transform(tokenizer):
+    """A `set_transform` that builds the prompt is honoured, and runs once per batch, not once per row."""
+    calls = []
+
+    def to_prompt(batch):
+        calls.append(len(batch["question"]))
+        return {"prompt": [question.strip() + "?" if question else question for question in batch["question"]]}
+
+    dataset = Dataset.from_dict({"question": ["Why"] * 999 + [""]})
+    dataset.set_transform(to_prompt)
+    with pytest.raises(ValueError, match="row 999 is empty"):
+        validate_prompt_dataset(dataset, "train", tokenizer)
+    assert len(calls) <= 2  # row 0 (the column check), then one batch
+    dataset = Dataset.from_dict({"prompt": ["ok", "ok"] * 5000})
+    validate_prompt_dataset(dataset.with_format("numpy"), "train", tokenizer)
 
 
 def test_render_prompts(tokenizer):

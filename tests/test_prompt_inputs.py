@@ -1,0 +1,113 @@
+"""Prompts the trainer is given: checked in every row before any step, and fitted to the model's positions."""
+
+import warnings
+
+import pytest
+from conftest import length_reward, make_config
+from datasets import Dataset
+from test_vllm import needs_vllm, reverse_config
+from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+
+from targetpo import TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm, exact_reversal_reward, reverse_task_dataset, reverse_task_tokenizer
+from targetpo.modeling import max_positions
+
+PROMPTS = ["Please say the word cat:", "Hi:", "Now write one more word, dog:", "Say sun:"]
+
+
+@pytest.fixture
+def short_context_model(tokenizer):
+    return build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=16, seed=0)
+
+
+def test_prompts_keep_their_last_tokens_within_the_models_positions(tmp_path, tokenizer, short_context_model):
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
+    with pytest.warns(UserWarning, match="16 positions .* prompts longer than 10 tokens keep their last 10"):
+        trainer = TargetPOTrainer(
+            short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=None, max_steps=1),
+            train_dataset=dataset, processing_class=tokenizer,
+        )
+    batch = trainer._rollout([{"prompt": prompt} for prompt in PROMPTS[:2] for _ in range(4)], mode="train")
+    assert batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) <= 16  # prompt and completion fit
+    assert batch["completion_ids"].size(1) == 6
+    kept = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    assert kept[0] == PROMPTS[0][-10:] and kept[4] == PROMPTS[1]  # the last tokens; a short prompt whole
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer, short_context_model):
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
+    with pytest.warns(UserWarning, match="keep their last 12 \\(max_prompt_length=14\\)"):
+        trainer = TargetPOTrainer(
+            short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=14, max_completion_length=4),
+            train_dataset=dataset, processing_class=tokenizer,
+        )
+    assert trainer._tokenize_prompts(PROMPTS[:1])[0].size(1) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the room: nothing to say
+        trainer = TargetPOTrainer(
+            short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=8, max_completion_length=4),
+            train_dataset=dataset, processing_class=tokenizer,
+        )
+    ids, _ = trainer._tokenize_prompts(PROMPTS[:1])
+    assert tokenizer.decode(ids[0]) == PROMPTS[0][-8:]
+
+
+def test_a_completion_as_long_as_the_context_is_refused(tmp_path, tokenizer, short_context_model):
+    with pytest.raises(ValueError, match="max_completion_length=16 leaves no room .* 16 positions.*below 16"):
+        TargetPOTrainer(
+            short_context_model, length_reward, args=make_config(tmp_path, max_completion_length=16),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), processing_class=tokenizer,
+        )
+
+
+def test_positions_are_found_through_peft_and_composite_configs(tokenizer, short_context_model):
+    from peft import LoraConfig, get_peft_model
+
+    assert max_positions(get_peft_model(short_context_model, LoraConfig(r=2, target_modules=["q_proj"]))) == 16
+    text = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=24,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    composite = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict()))
+    assert getattr(composite.config, "max_position_embeddings", None) is None  # only the text config knows
+    assert max_positions(composite) == 24
+
+
+def test_bad_rows_stop_the_trainer_before_any_step(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    bad_train = Dataset.from_dict({"prompt": ["Say cat:"] * 7 + [" "]})
+    with pytest.raises(ValueError, match="The train dataset's prompt in row 7 is only whitespace"):
+        TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path), train_dataset=bad_train,
+                        processing_class=tokenizer)
+    bad_eval = Dataset.from_dict({"prompt": ["Say cat:"] * 3 + [None]})
+    with pytest.raises(ValueError, match="The eval dataset's prompt in row 3 is None"):
+        TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset,
+                        eval_dataset=bad_eval, processing_class=tokenizer)
+    trainer = TargetPOTrainer(
+        tiny_model, length_reward, args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    with pytest.raises(ValueError, match="The eval dataset's prompt in row 3 is None"):
+        trainer.evaluate(eval_dataset=bad_eval)  # a dataset passed late is checked too
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_colocate_engine_takes_the_fitted_prompts(tmp_path):
+    """The engine's context is the model's positions, and prompts cut to fit beside the completion are accepted."""
+    tokenizer = reverse_task_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, max_positions=24, seed=0)
+    dataset = reverse_task_dataset(length=30, num_prompts=16)  # prompts of 31 tokens
+    with pytest.warns(UserWarning, match="keep their last 18"):
+        trainer = TargetPOTrainer(
+            model, exact_reversal_reward, train_dataset=dataset, processing_class=tokenizer,
+            args=reverse_config(tmp_path, vllm_mode="colocate", max_prompt_length=None, max_steps=1),
+        )
+    assert trainer.vllm.engine.llm.llm_engine.model_config.max_model_len == 24
+    trainer.train()
+    assert trainer.state.global_step == 1
