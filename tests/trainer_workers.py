@@ -49,7 +49,8 @@ def trainer_loss_worker(rank, world_size, port, out_dir):
     for name, per_device, with_invalid, q_at_rollout in CASES:
         args = TargetPOConfig(
             output_dir=out_dir, per_device_train_batch_size=per_device, num_generations=NUM_GENERATIONS,
-            report_to="none", use_cpu=True, ddp_backend="gloo", ddp_timeout=60, logps_chunk_size=3,
+            max_prompt_length=16, max_completion_length=8, report_to="none", use_cpu=True, ddp_backend="gloo",
+            ddp_timeout=60, logps_chunk_size=3,
         )
         trainer = TargetPOTrainer(
             tiny_model(), lambda completions, **kwargs: [0.0] * len(completions), args=args,
