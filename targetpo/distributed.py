@@ -1,5 +1,5 @@
-"""Distributed plumbing: collectives for prompt groups split over processes, and the engine-specific handling of
-sharded models (DeepSpeed ZeRO, FSDP2) for generation and for frozen models."""
+"""Distributed plumbing: collectives for prompt groups split over processes, failures that stop every process, and the
+engine-specific handling of sharded models (DeepSpeed ZeRO, FSDP2) for generation and for frozen models."""
 
 from __future__ import annotations
 
@@ -33,6 +33,74 @@ def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 def groups_span_processes(per_device_batch_size: int, num_generations: int, num_processes: int) -> bool:
     """Whether a step's prompt groups can be split over processes (each process then lacks whole groups)."""
     return num_processes > 1 and per_device_batch_size % num_generations != 0
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+class PeerProcessError(RuntimeError):
+    """Raised on every other process when one process failed in work that all of them pass through together."""
+
+
+class PeerFloatingPointError(PeerProcessError, FloatingPointError):
+    """A :class:`PeerProcessError` for a non-finite value: code that stops on FloatingPointError sees it everywhere."""
+
+
+#: How much of a failing process's message the others repeat.
+_MAX_REPORT_CHARS = 2000
+
+
+@contextlib.contextmanager
+def failures_reach_every_process(what: str, device: torch.device | str | None = None) -> Iterator[None]:
+    """Stop every process, with a clear error, when the block raises on any of them.
+
+    Wrap purely local work that precedes a collective: a process failing there alone would otherwise leave the others
+    waiting in that collective until its timeout. The block must not run collectives itself (a failure inside one
+    leaves the others waiting in it whatever happens next). On leaving the block every process takes part in one
+    all-reduce of a failure flag (plus, only when a flag is set, a gather of short reports). The failing process then
+    re-raises its own exception; every other process raises :class:`PeerProcessError` naming the failing process,
+    ``what`` it was doing and its error. ``device`` holds the flag: the accelerator's device (NCCL needs it on the
+    GPU). With one process nothing is exchanged and exceptions pass straight through.
+    """
+    if _world_size() == 1:
+        yield
+        return
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 (not KeyboardInterrupt and the like: those stop every process anyway)
+        failure = error
+    _raise_if_any_process_failed(failure, what, device)
+
+
+def _raise_if_any_process_failed(failure: Exception | None, what: str, device: torch.device | str | None) -> None:
+    """The collective half of :func:`failures_reach_every_process`; every process calls it at the same point."""
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+    reports: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    try:
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            own = None if failure is None else (isinstance(failure, FloatingPointError), _describe(failure))
+            dist.all_gather_object(reports, own)
+    except Exception:
+        if failure is None:
+            raise
+        # The exchange broke (a peer died meanwhile): this process's own error is still the one to show.
+    if failure is not None:
+        raise failure
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    details = "".join(f"\n  process {rank}: {text}" for rank, (_, text) in failed)
+    error_type = PeerFloatingPointError if all(non_finite for _, (non_finite, _) in failed) else PeerProcessError
+    raise error_type(
+        f"Process{'es' if len(failed) > 1 else ''} {ranks} (of {len(reports)}) failed while {what}, so process "
+        f"{dist.get_rank()} stops too (the traceback is in the failing process's output):{details}"
+    )
+
+
+def _describe(error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= _MAX_REPORT_CHARS else text[: _MAX_REPORT_CHARS - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------------- engines

@@ -153,12 +153,18 @@ class RewardScorer:
         columns: dict[str, list[Any]],
         trainer_state: Any,
         device: torch.device,
+        models: bool = True,
     ) -> torch.Tensor:
-        """Scores of every completion under every reward function: ``(N, F)`` float32, NaN where one returned None."""
+        """Scores of every completion under every reward function: ``(N, F)`` float32, NaN where one returned None.
+
+        With ``models=False`` the reward models' columns stay NaN, for :meth:`score_models` to fill in.
+        """
         scores = torch.full((len(prompts), len(self.funcs)), math.nan, dtype=torch.float32)
         for index, (func, name) in enumerate(zip(self.funcs, self.names)):
             if self.is_model[index]:
-                scores[:, index] = self._score_with_model(func, self.tokenizers[index], prompts, completions, device)
+                if models:
+                    tokenizer = self.tokenizers[index]
+                    scores[:, index] = self._score_with_model(func, tokenizer, prompts, completions, device)
                 continue
             try:
                 output = func(
@@ -172,6 +178,17 @@ class RewardScorer:
                 raise ValueError(f"Reward function '{name}' raised {type(error).__name__}: {error}") from error
             scores[:, index] = torch.tensor(check_reward_output(output, name, len(prompts)))
         return scores.to(device)
+
+    def score_models(
+        self, scores: torch.Tensor, prompts: list[Any], completions: list[Any], device: torch.device
+    ) -> torch.Tensor:
+        """``scores`` (from ``score(..., models=False)``) with the reward models' columns filled in."""
+        scores = scores.clone()
+        for index, func in enumerate(self.funcs):
+            if self.is_model[index]:
+                model_scores = self._score_with_model(func, self.tokenizers[index], prompts, completions, device)
+                scores[:, index] = model_scores.to(scores.device)
+        return scores
 
     @torch.no_grad()
     def _score_with_model(

@@ -12,6 +12,7 @@ One training micro-step reads as:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -36,6 +37,7 @@ from .data import (
 from .distributed import (
     all_gather_with_grad,
     check_engine_supported,
+    failures_reach_every_process,
     full_model_for_generation,
     groups_span_processes,
     prepare_frozen_model,
@@ -231,7 +233,9 @@ class TargetPOTrainer(Trainer):
         self._vllm_weights_step: int | None = None  # the optimiser step whose weights the engine holds
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
-        chunkable = supports_chunked_head(self.model) and not shards_parameters(self.accelerator)
+        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
+        self._sharded = shards_parameters(self.accelerator)
+        chunkable = supports_chunked_head(self.model) and not self._sharded
         self._logps_chunk_size = (args.logps_chunk_size or None) if chunkable else None
         # Tokens generation never samples get no probability in the trainer's log-probs either.
         suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
@@ -382,20 +386,33 @@ class TargetPOTrainer(Trainer):
         device = self.accelerator.device
         args = self.args
         prompts = [row["prompt"] for row in rows]
-        prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
-        with self._generation_model() as generation_model:
-            completions = self._generate(generation_model, prompt_ids, prompt_mask)
+        # What one process can fail at alone (a bad prompt, generation running out of memory, a reward function
+        # raising or returning the wrong number of scores) runs in guarded blocks, so that the failure stops every
+        # process before the gathers below. Generation through a vLLM server or with sharded weights runs collectives
+        # itself, which every process must reach: it then runs between two guarded blocks rather than inside one, and
+        # with sharded weights so do the reward models' forward passes, after the block.
+        collective_generation = self._sharded or (args.use_vllm and args.vllm_mode == "server")
+        if collective_generation:
+            with self._failures_reach_every_process("tokenizing the prompts"):
+                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+            completions = self._generate_completions(prompt_ids, prompt_mask)
+        what = "scoring the completions" if collective_generation else "generating and scoring the completions"
+        with self._failures_reach_every_process(what):
+            if not collective_generation:
+                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+                completions = self._generate_completions(prompt_ids, prompt_mask)
+            completion_texts, completion_id_lists = self._decode(completions)
+            reward_completions = self._as_reward_completions(prompts, completion_texts)
+            columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+            scores_per_func = self.reward_scorer.score(
+                prompts, reward_completions, completion_id_lists, columns, self.state, device, models=not self._sharded
+            )
+        if self._sharded:
+            scores_per_func = self.reward_scorer.score_models(scores_per_func, prompts, reward_completions, device)
         completion_mask = completions.attention_mask.clone()
         if args.mask_truncated_completions:
             completion_mask[completions.truncated] = 0
         valid = completion_mask.any(dim=1)
-
-        completion_texts, completion_id_lists = self._decode(completions)
-        reward_completions = self._as_reward_completions(prompts, completion_texts)
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        scores_per_func = self.reward_scorer.score(
-            prompts, reward_completions, completion_id_lists, columns, self.state, device
-        )
 
         # Whitening needs whole groups, which may span processes: score over the gathered rollout, keep our slice.
         local = self._local_slice(len(rows))
@@ -427,10 +444,14 @@ class TargetPOTrainer(Trainer):
             ):
                 signal = F.rows_with_gradient(advantages_all, args.num_generations, valid_all, args.loss_type, policy_is_old)
                 batch[key] = signal[local]
-        if mode == "train" and self._needs_old_logps:
-            batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
-        if args.beta > 0:
-            batch["ref_per_token_logps"] = self._reference_logps(batch)
+        needs_old_logps = mode == "train" and self._needs_old_logps
+        if needs_old_logps or args.beta > 0:
+            what = "computing the old and reference log-probs"
+            with self._failures_reach_every_process(what, local=not self._sharded):
+                if needs_old_logps:
+                    batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
+                if args.beta > 0:
+                    batch["ref_per_token_logps"] = self._reference_logps(batch)
 
         self._rollout_count += 1
         batch["rollout"] = self._rollout_count
@@ -451,6 +472,20 @@ class TargetPOTrainer(Trainer):
             self._record_targets(batch, mode)
         self._record_rollout_metrics(completions, scores_per_func_all, scores_all, valid_all, mode)
         return batch
+
+    def _failures_reach_every_process(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
+        """``failures_reach_every_process`` on this process's device, for local work.
+
+        Work that runs collectives itself (``local=False``) is not guarded: after a failure inside it the other
+        processes wait in its collectives whatever follows, and the failing one must not wait in another.
+        """
+        if not local:
+            return contextlib.nullcontext()
+        return failures_reach_every_process(what, self.accelerator.device)
+
+    def _generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        with self._generation_model() as generation_model:
+            return self._generate(generation_model, prompt_ids, prompt_mask)
 
     def _tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
@@ -623,11 +658,19 @@ class TargetPOTrainer(Trainer):
         mode = "train" if model.training else "eval"
         args = self.args
         rows = self._rows_to_train(inputs, mode)
-        per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True, rows=rows)
         # Rows left out count as invalid, all-masked members: each loss then gives them exactly 0 while keeping them
         # (and their groups) in its averages, which is what their zero gradient contributes.
         mask = inputs["completion_mask"] if rows is None else inputs["completion_mask"] * rows.unsqueeze(-1)
         valid = inputs["valid"] if rows is None else inputs["valid"] & rows
+        # A forward pass that fails, or gives non-finite log-probs, on one process stops every process before the
+        # collectives below. A sharded model's forward is itself collectives: it runs before the guarded block. (DDP's
+        # forward opens with a buffer broadcast, which every process reaches: nothing that can fail precedes it.)
+        if self._sharded:
+            per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True, rows=rows)
+        with self._failures_reach_every_process("computing the policy's token log-probs"):
+            if not self._sharded:
+                per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True, rows=rows)
+            self._require_finite_logps(per_token_logps, mask)
         if rows is not None:
             self._log_mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
         policy_logps = per_token_logps
@@ -644,14 +687,27 @@ class TargetPOTrainer(Trainer):
             loss = loss + args.beta * kl
             self._log_mean(mode, "kl", kl.detach())
         self._log_token_mean(mode, "entropy", entropies, mask)
-        if not torch.isfinite(loss):
-            # Stop before backward: a non-finite loss would put NaN into every weight.
-            raise FloatingPointError(
-                f"The loss is {loss.item()} at step {self.state.global_step}. The model's log-probs are no longer "
-                "finite; lower the learning rate, enable gradient clipping (max_grad_norm) or use bf16/fp32 instead "
-                "of fp16."
-            )
+        # Stop before backward, on every process together: a non-finite loss would put NaN into every weight.
+        with self._failures_reach_every_process("checking the loss"):
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"The loss is {loss.item()} at step {self.state.global_step} although the policy's log-probs are "
+                    "finite: a term overflowed (the KL to the reference, once the policy is far from it) or the "
+                    "rollout's old, reference or vLLM log-probs are not finite. Lower the learning rate, enable "
+                    "gradient clipping (max_grad_norm) or use bf16/fp32 instead of fp16."
+                )
         return loss
+
+    def _require_finite_logps(self, per_token_logps: torch.Tensor, mask: torch.Tensor) -> None:
+        """A FloatingPointError when a token log-prob the loss uses is NaN or infinite (the model overflowed)."""
+        used = per_token_logps.detach()[mask.bool()]
+        if not torch.isfinite(used).all():
+            bad = used[~torch.isfinite(used)][0].item()
+            raise FloatingPointError(
+                f"The policy's token log-probs are no longer finite ({bad}) at step {self.state.global_step}: its "
+                "weights or activations overflowed. Lower the learning rate, enable gradient clipping (max_grad_norm) "
+                "or use bf16/fp32 instead of fp16."
+            )
 
     def _rows_to_train(self, inputs: Batch, mode: str) -> torch.Tensor | None:
         """The step batch's rows whose gradient can be non-zero (``F.rows_with_gradient``); None: every row."""

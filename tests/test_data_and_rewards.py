@@ -197,6 +197,21 @@ def test_reward_model_scores_are_its_first_logit(tokenizer):
         assert scores[index, 0].item() == pytest.approx(alone.item(), abs=1e-5)
 
 
+def test_reward_models_can_be_scored_after_the_functions(tokenizer):
+    # With sharded weights a reward model's forward is a collective, which the trainer runs apart from the functions.
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+    )
+    torch.manual_seed(0)
+    scorer = RewardScorer([count_letters_reward, Qwen2ForSequenceClassification(config)], [None, tokenizer])
+    prompts, completions, device = ["Say a:", "Say b:"], ["aa", "bbbb"], torch.device("cpu")
+    together = scorer.score(prompts, completions, [[], []], {}, None, device)
+    functions_only = scorer.score(prompts, completions, [[], []], {}, None, device, models=False)
+    assert functions_only[:, 0].tolist() == [2.0, 0.0] and torch.isnan(functions_only[:, 1]).all()
+    assert torch.equal(scorer.score_models(functions_only, prompts, completions, device), together)
+
+
 def test_reward_model_built_from_config_needs_its_tokenizer(tokenizer):
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=1)
