@@ -388,19 +388,14 @@ class TargetPOTrainer(Trainer):
         prompts = [row["prompt"] for row in rows]
         # What one process can fail at alone (a bad prompt, generation running out of memory, a reward function
         # raising or returning the wrong number of scores) runs in guarded blocks, so that the failure stops every
-        # process before the gathers below. Generation through a vLLM server or with sharded weights runs collectives
-        # itself, which every process must reach: it then runs between two guarded blocks rather than inside one, and
-        # with sharded weights so do the reward models' forward passes, after the block.
+        # process before the gathers below. Generation through a vLLM server or with sharded weights, and a sharded
+        # reward model's forward pass, run collectives themselves, which every process must reach: they are not guarded.
         collective_generation = self._sharded or (args.use_vllm and args.vllm_mode == "server")
-        if collective_generation:
-            with self._failures_reach_every_process("tokenizing the prompts"):
-                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+        with self._failures_reach_every_process("tokenizing the prompts"):
+            prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+        with self._failures_reach_every_process("generating the completions", local=not collective_generation):
             completions = self._generate_completions(prompt_ids, prompt_mask)
-        what = "scoring the completions" if collective_generation else "generating and scoring the completions"
-        with self._failures_reach_every_process(what):
-            if not collective_generation:
-                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
-                completions = self._generate_completions(prompt_ids, prompt_mask)
+        with self._failures_reach_every_process("scoring the completions"):
             completion_texts, completion_id_lists = self._decode(completions)
             reward_completions = self._as_reward_completions(prompts, completion_texts)
             columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}

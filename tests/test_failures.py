@@ -67,12 +67,12 @@ def run_two_processes(kind, out):
 FAILURES = [
     # (kind, what process 1 was doing, its error, the error process 0 raises)
     pytest.param(
-        "reward_raises", "generating and scoring the completions",
+        "reward_raises", "scoring the completions",
         "ValueError: Reward function 'count_ones' raised KeyError: 'no reference answer for this prompt on process 1'",
         "PeerProcessError", id="reward-function-raises",
     ),
     pytest.param(
-        "reward_wrong_length", "generating and scoring the completions",
+        "reward_wrong_length", "scoring the completions",
         "ValueError: Reward function 'count_ones' returned 3 scores for 4 completions",
         "PeerProcessError", id="reward-function-returns-a-bad-batch", marks=pytest.mark.slow,
     ),
