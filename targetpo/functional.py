@@ -122,6 +122,15 @@ def rows_with_gradient(
     return (valid & live).reshape(-1)
 
 
+def _deviations_from_group_mean(grouped: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, 1)`` valid-member counts (at least 1) and ``(G, K)`` deviations from the valid members' mean (0 where
+    invalid)."""
+    count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
+    mean = torch.where(valid, grouped, zero).sum(dim=-1, keepdim=True) / count
+    return count, torch.where(valid, grouped - mean, zero)
+
+
 def tpo_scores(
     scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -132,10 +141,8 @@ def tpo_scores(
     grouped = _group(_as_float(scores), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
     _require_finite(grouped, valid, "scores")
-    count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    count, deviation = _deviations_from_group_mean(grouped, valid)
     zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
-    mean = torch.where(valid, grouped, zero).sum(dim=-1, keepdim=True) / count
-    deviation = torch.where(valid, grouped - mean, zero)
     informative = _informative_groups(grouped, valid).unsqueeze(-1)
     # Scale by the largest deviation before squaring: the z-score is unchanged and huge scores cannot overflow.
     scale = deviation.abs().amax(dim=-1, keepdim=True)
@@ -297,11 +304,9 @@ def rollout_diagnostics(
     """
     grouped = _group(_as_float(scores.detach()), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
-    count = valid.sum(dim=-1)
-    zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
-    mean = torch.where(valid, grouped, zero).sum(dim=-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)
-    variance = torch.where(valid, (grouped - mean).square(), zero).sum(dim=-1) / count.clamp(min=1)
-    has_valid = count > 0
+    count, deviation = _deviations_from_group_mean(grouped, valid)
+    variance = (deviation.square().sum(dim=-1, keepdim=True) / count).squeeze(-1)
+    has_valid = valid.any(dim=-1)
     nan = torch.tensor(float("nan"), dtype=grouped.dtype, device=grouped.device)
     return {
         "reward": grouped.mean(),

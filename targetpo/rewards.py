@@ -162,9 +162,6 @@ class RewardScorer:
         scores = torch.full((len(prompts), len(self.funcs)), math.nan, dtype=torch.float32)
         for index, (func, name) in enumerate(zip(self.funcs, self.names)):
             if self.is_model[index]:
-                if models:
-                    tokenizer = self.tokenizers[index]
-                    scores[:, index] = self._score_with_model(func, tokenizer, prompts, completions, device)
                 continue
             try:
                 output = func(
@@ -177,7 +174,8 @@ class RewardScorer:
             except Exception as error:
                 raise ValueError(f"Reward function '{name}' raised {type(error).__name__}: {error}") from error
             scores[:, index] = torch.tensor(check_reward_output(output, name, len(prompts)))
-        return scores.to(device)
+        scores = scores.to(device)
+        return self.score_models(scores, prompts, completions, device) if models else scores
 
     def score_models(
         self, scores: torch.Tensor, prompts: list[Any], completions: list[Any], device: torch.device
