@@ -116,8 +116,8 @@ class GRPOConfig(TrainingArguments):
     vllm_mode: str = field(
         default="server",
         metadata={
-            "help": "'server': generate through a `targetpo-vllm-serve` process the user starts (other devices); "
-            "'colocate': an in-process vLLM engine sharing each training process's device.",
+            "help": "'server': generate through a `vllm serve` process the user starts on other devices (see "
+            "`targetpo-vllm-serve`); 'colocate': an in-process vLLM engine sharing each training process's device.",
             "choices": VLLM_MODES,
         },
     )
@@ -129,6 +129,29 @@ class GRPOConfig(TrainingArguments):
     vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
     vllm_server_timeout: float = field(
         default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up before failing."}
+    )
+    vllm_weight_transfer_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Server mode: vLLM's weight-transfer engine, as the server was started with "
+            "(--weight-transfer-config): 'nccl' between GPUs, 'gloo' on CPUs; 'auto' picks 'nccl' when the trainer "
+            "has a GPU."
+        },
+    )
+    async_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Server mode: generate the next rollout while the current one trains. Weight pushes pause the "
+            "in-flight requests, which go on with the new weights; the importance weights correct for samples drawn "
+            "from older weights."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "With async_rollouts: the most optimiser steps a rollout's generation may start before it is "
+            "trained on (>= 1)."
+        },
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
@@ -236,6 +259,17 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
         if self.vllm_tensor_parallel_size < 1:
             raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.")
+        if self.vllm_weight_transfer_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(
+                f"vllm_weight_transfer_backend must be 'auto', 'nccl' or 'gloo', got {self.vllm_weight_transfer_backend!r}."
+            )
+        if self.async_rollouts and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "async_rollouts=True generates on a vLLM server while training goes on: set use_vllm=True and "
+                "vllm_mode='server' (or async_rollouts=False)."
+            )
+        if self.max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1 (in optimiser steps), got {self.max_staleness}.")
         if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
             raise ValueError(f"generation_kwargs must be a dict, got {type(self.generation_kwargs).__name__}.")
         if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
@@ -281,6 +315,14 @@ class GRPOConfig(TrainingArguments):
                 f"With {world_size} processes and steps_per_generation={self.steps_per_generation} > 1, each process's "
                 f"step must hold whole groups: per_device_train_batch_size ({self.per_device_train_batch_size}) must be "
                 f"a multiple of num_generations ({self.num_generations})."
+            )
+        uses = self.steps_per_generation * self.num_iterations
+        accumulation = self.gradient_accumulation_steps
+        if self.async_rollouts and uses % accumulation and accumulation % uses:
+            raise ValueError(
+                f"async_rollouts=True needs each rollout to span whole optimiser steps or to fit inside one: its "
+                f"steps_per_generation x num_iterations = {uses} micro-steps and gradient_accumulation_steps = "
+                f"{accumulation} must divide one another."
             )
         if self.do_eval or self.eval_strategy != "no":
             self.check_eval_batch_size()

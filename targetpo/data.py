@@ -139,13 +139,16 @@ def identity_collator(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 #: Key under which a training row carries which use of its rollout the dataloader fetched it for.
 ROLLOUT_USE = "__rollout_use__"
+#: Key under which a training row carries the row at its place in the next rollout (asynchronous rollouts), or None.
+UPCOMING_ROW = "__upcoming_row__"
 
 
 class RolloutRows(torch.utils.data.Dataset):
     """The training dataset as its dataloader reads it, with keys ``(index, use)`` from a tagging RepeatSampler.
 
     Each row comes back with ``ROLLOUT_USE`` set to ``use``, so the trainer knows which micro-step of a rollout the
-    batch is for, exactly, also when a resumed run starts in the middle of a rollout.
+    batch is for, exactly, also when a resumed run starts in the middle of a rollout. Keys ``(index, use, upcoming)``
+    from a sampler that looks ahead also bring the dataset row ``upcoming`` under ``UPCOMING_ROW`` (None when < 0).
     """
 
     def __init__(self, dataset: Any):
@@ -154,9 +157,23 @@ class RolloutRows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        index, use = key
-        return {**self.dataset[index], ROLLOUT_USE: use}
+    def __getitem__(self, key: tuple[int, ...]) -> dict[str, Any]:
+        index, use, *upcoming = key
+        row = {**self.dataset[index], ROLLOUT_USE: use}
+        if upcoming:
+            row[UPCOMING_ROW] = self.dataset[upcoming[0]] if upcoming[0] >= 0 else None
+        return row
+
+
+def lookahead_use(uses_per_rollout: int, accumulation_steps: int, max_staleness: int) -> int:
+    """At which use of a rollout the next rollout starts generating (asynchronous rollouts).
+
+    As late as ``max_staleness`` allows: when the next rollout is trained on, its generation started at most that many
+    optimiser steps before (a rollout that spans ``S`` optimiser steps starts the next one ``min(S, max_staleness)``
+    steps before its end; one that fits inside an optimiser step starts it at once).
+    """
+    steps_per_rollout = uses_per_rollout // accumulation_steps
+    return max(0, steps_per_rollout - max_staleness) * accumulation_steps
 
 
 class RepeatSampler(Sampler[int]):
@@ -170,7 +187,9 @@ class RepeatSampler(Sampler[int]):
 
     A trailing chunk with fewer than ``prompts_per_rollout`` prompts is dropped so every rollout has the same size.
     With ``tag_uses=True`` it yields ``(index, use)`` pairs instead, ``use`` counting the repeats of the chunk
-    (for :class:`RolloutRows`).
+    (for :class:`RolloutRows`). With ``lookahead_use`` as well, it yields ``(index, use, upcoming)``: at that use of
+    each chunk ``upcoming`` is the index at the same place in the next chunk (the next epoch's first chunk after the
+    last one), so its rollout can be generated ahead; -1 at every other use.
     """
 
     def __init__(
@@ -182,6 +201,7 @@ class RepeatSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         tag_uses: bool = False,
+        lookahead_use: int | None = None,
     ):
         if prompts_per_rollout > num_prompts:
             raise ValueError(
@@ -195,24 +215,33 @@ class RepeatSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.tag_uses = tag_uses
+        self.lookahead_use = lookahead_use
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle differently, but reproducibly, in each epoch."""
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[int | tuple[int, int]]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_prompts, generator=generator).tolist()
-        else:
-            order = list(range(self.num_prompts))
-        num_chunks = self.num_prompts // self.prompts_per_rollout
-        for chunk_index in range(num_chunks):
-            chunk = order[chunk_index * self.prompts_per_rollout : (chunk_index + 1) * self.prompts_per_rollout]
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_prompts))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_prompts, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int | tuple[int, ...]]:
+        size = self.prompts_per_rollout
+        num_chunks = self.num_prompts // size
+        chunks = [self._order(self.epoch)[start * size : (start + 1) * size] for start in range(num_chunks)]
+        for chunk_index, chunk in enumerate(chunks):
+            upcoming = chunks[chunk_index + 1] if chunk_index + 1 < num_chunks else self._order(self.epoch + 1)[:size]
             for use in range(self.repeat_count):
-                for index in chunk:
-                    key = (index, use) if self.tag_uses else index
+                for place, index in enumerate(chunk):
+                    if not self.tag_uses:
+                        key: int | tuple[int, ...] = index
+                    elif self.lookahead_use is None:
+                        key = (index, use)
+                    else:
+                        key = (index, use, upcoming[place] if use == self.lookahead_use else -1)
                     yield from [key] * self.num_generations
 
     def __len__(self) -> int:

@@ -44,6 +44,15 @@ class PeerFloatingPointError(PeerProcessError, FloatingPointError):
     """A :class:`PeerProcessError` for a non-finite value: code that stops on FloatingPointError sees it everywhere."""
 
 
+class PeerTimeoutError(PeerProcessError, TimeoutError):
+    """A :class:`PeerProcessError` for a timeout (a server that never answered): code that handles TimeoutError sees
+    it everywhere."""
+
+
+#: The error each process raises when every failing process failed with the same kind of error.
+_PEER_ERRORS = {"non-finite": PeerFloatingPointError, "timeout": PeerTimeoutError}
+
+
 #: How much of a failing process's message the others repeat.
 _MAX_REPORT_CHARS = 2000
 
@@ -74,11 +83,11 @@ def failures_reach_every_process(what: str, device: torch.device | str | None = 
 def _raise_if_any_process_failed(failure: Exception | None, what: str, device: torch.device | str | None) -> None:
     """The collective half of :func:`failures_reach_every_process`; every process calls it at the same point."""
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
-    reports: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    reports: list[tuple[str | None, str] | None] = [None] * dist.get_world_size()
     try:
         dist.all_reduce(flag)
         if flag.item() > 0:
-            own = None if failure is None else (isinstance(failure, FloatingPointError), _describe(failure))
+            own = None if failure is None else (_kind(failure), _describe(failure))
             dist.all_gather_object(reports, own)
     except Exception:
         if failure is None:
@@ -91,11 +100,20 @@ def _raise_if_any_process_failed(failure: Exception | None, what: str, device: t
         return
     ranks = ", ".join(str(rank) for rank, _ in failed)
     details = "".join(f"\n  process {rank}: {text}" for rank, (_, text) in failed)
-    error_type = PeerFloatingPointError if all(non_finite for _, (non_finite, _) in failed) else PeerProcessError
+    kinds = {kind for _, (kind, _) in failed}
+    error_type = _PEER_ERRORS.get(kinds.pop(), PeerProcessError) if len(kinds) == 1 else PeerProcessError
     raise error_type(
         f"Process{'es' if len(failed) > 1 else ''} {ranks} (of {len(reports)}) failed while {what}, so process "
         f"{dist.get_rank()} stops too (the traceback is in the failing process's output):{details}"
     )
+
+
+def _kind(error: Exception) -> str | None:
+    if isinstance(error, FloatingPointError):
+        return "non-finite"
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    return None
 
 
 def _describe(error: Exception) -> str:

@@ -4,8 +4,9 @@ One training micro-step reads as:
 
 1. ``_prepare_inputs`` hands out a step batch of the current rollout; the sampler repeats each rollout's rows for the
    ``steps_per_generation * num_iterations`` micro-steps it serves, and the first of them makes the rollout;
-2. a rollout (``_rollout``) generates, scores, whitens the scores into ``u`` and, where the weights will have moved
-   before the rollout is used, records the old log-probs and builds the target ``q``;
+2. a rollout (``_rollout``) gets completions from the rollout backend (``generation/``: ``model.generate``, vLLM in
+   process or a ``vllm serve`` process, possibly generated ahead), scores them, whitens the scores into ``u`` and,
+   where the weights will have moved before the rollout is used, records the old log-probs and builds the target ``q``;
 3. ``compute_loss`` computes the policy's sequence log-probs, builds ``q`` from them (detached) if the rollout did
    not, and returns the cross-entropy to ``q`` (plus ``beta * KL``).
 """
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import gather_object, set_seed
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
@@ -28,9 +30,11 @@ from . import functional as F
 from .config import TargetPOConfig
 from .data import (
     ROLLOUT_USE,
+    UPCOMING_ROW,
     RepeatSampler,
     RolloutRows,
     identity_collator,
+    lookahead_use,
     render_prompts,
     validate_prompt_dataset,
 )
@@ -43,8 +47,7 @@ from .distributed import (
     prepare_frozen_model,
     shards_parameters,
 )
-from .generation import Completions, TransformersGenerator, pad_completions, unpadded_prompts
-from .generation.vllm_backend import export_for_engine
+from .generation import Completions, PendingCompletions, RolloutBackend, SamplingSettings, build_rollout_backend
 from .modeling import (
     apply_peft,
     completion_logps,
@@ -198,29 +201,14 @@ class TargetPOTrainer(Trainer):
             self.ref_model = prepare_frozen_model(self.accelerator, self.ref_model, micro_batch)
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
-        generation_config = getattr(self.accelerator.unwrap_model(self.model), "generation_config", None)
-        eos_ids = {tokenizer.eos_token_id}
-        model_eos = getattr(generation_config, "eos_token_id", None)
-        eos_ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos] if model_eos is not None else [])
-        sampling = dict(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            generation_kwargs=args.generation_kwargs,
-        )
-        self.generator = TransformersGenerator(
-            args.max_completion_length,
-            sorted(eos_ids),
-            tokenizer.pad_token_id,
-            synced_gpus=shards_parameters(self.accelerator) and self.accelerator.num_processes > 1,
-            **sampling,
-        )
-        self.vllm = self._build_vllm_generator(sorted(eos_ids), sampling) if args.use_vllm else None
+        self.sampling = SamplingSettings.from_config(args, tokenizer, self.accelerator.unwrap_model(self.model))
+        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
+        self._sharded = shards_parameters(self.accelerator)
+        self._rollout_backend: RolloutBackend | None = None
+        self._owns_rollout_backend = True
+        self._rollout_backend = self.rollout_backend  # built now: a missing server or bad setting fails here
         self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
-        reshaped = args.top_p < 1 or args.top_k > 0 or bool(args.min_p) or args.repetition_penalty != 1
-        if self._importance_sampling and reshaped:
+        if self._importance_sampling and self.sampling.reshapes_distribution:
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
             # their ratio would measure the truncation, not an implementation mismatch.
             warnings.warn(
@@ -230,15 +218,19 @@ class TargetPOTrainer(Trainer):
                 stacklevel=2,
             )
             self._importance_sampling = False
-        self._vllm_weights_step: int | None = None  # the optimiser step whose weights the engine holds
+        if args.async_rollouts and not self._importance_sampling:
+            warnings.warn(
+                "async_rollouts=True without the importance-sampling correction: completions sampled by older weights "
+                "are trained on as if the current policy had written them.",
+                stacklevel=2,
+            )
+        self._weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
         self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
-        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
-        self._sharded = shards_parameters(self.accelerator)
         chunkable = supports_chunked_head(self.model) and not self._sharded
         self._logps_chunk_size = (args.logps_chunk_size or None) if chunkable else None
         # Tokens generation never samples get no probability in the trainer's log-probs either.
-        suppressed = (args.generation_kwargs or {}).get("suppress_tokens") or []
+        suppressed = self.sampling.suppressed_token_ids
         self._suppressed_token_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=self.accelerator.device)
         self._liger_logps = args.use_liger_kernel and self._liger_can_compute_logps(bool(suppressed))
         if self._liger_logps:
@@ -248,6 +240,14 @@ class TargetPOTrainer(Trainer):
         # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
         self._generate_every = args.steps_per_generation * args.num_iterations
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0
+        self._lookahead_use = (
+            lookahead_use(self._generate_every, args.gradient_accumulation_steps, args.max_staleness)
+            if args.async_rollouts
+            else None
+        )
+        self._upcoming: _UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
+        if args.async_rollouts:
+            self.add_callback(_PushWeightsWhileGenerating(self))
         self._buffer: list[Batch] | None = None
         self._rollout_count = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -257,52 +257,35 @@ class TargetPOTrainer(Trainer):
         # same seed still reproduces the same run.
         set_seed(args.seed, device_specific=True)
 
-    def _build_vllm_generator(self, eos_token_ids: list[int], sampling: dict[str, Any]) -> Any:
-        """The vLLM rollout backend: an engine in this process (colocate) or a client of a running server."""
-        from .generation.vllm_backend import sampling_settings
-
-        args = self.args
-        settings = sampling_settings(max_tokens=args.max_completion_length, eos_token_ids=eos_token_ids, **sampling)
-        if args.vllm_mode == "server":
-            from .generation.vllm_client import VLLMServerGenerator
-
-            if not self.accelerator.is_main_process:
-                return None  # the main process generates every process's prompts
-            base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            client = VLLMServerGenerator(base_url, args.vllm_server_timeout, settings)
-            client.wait_for_server()
-            return client
-
-        from .generation.vllm_backend import VLLMColocateGenerator
-
-        engine_kwargs: dict[str, Any] = {}
-        if self.accelerator.num_processes > 1 and args.vllm_tensor_parallel_size > 1:
-            # The processes of one tensor-parallel engine would have to submit identical requests.
-            raise ValueError(
-                "vllm_tensor_parallel_size > 1 in colocate mode is supported with one training process only; with "
-                f"{self.accelerator.num_processes} processes use vllm_tensor_parallel_size=1 (one engine per process) "
-                "or vllm_mode='server'."
+    @property
+    def rollout_backend(self) -> RolloutBackend:
+        """How rollouts are generated (``generation/``): built on first use, closed when training ends."""
+        if self._rollout_backend is None:
+            max_model_len = None
+            if self._max_prompt_tokens is not None:
+                # Room for the longest prompt and completion, within what the model's positions allow.
+                max_model_len = self._max_prompt_tokens + self.args.max_completion_length
+            self._rollout_backend = build_rollout_backend(
+                self.args,
+                self.accelerator,
+                self.accelerator.unwrap_model(self.model),
+                self.sampling,
+                self._generation_model,
+                self._sharded,
+                max_model_len,
             )
-        if self.accelerator.num_processes > 1:
-            # One engine per training process, joining the processes' existing torch.distributed world.
-            engine_kwargs["distributed_executor_backend"] = "external_launcher"
-        policy = self.accelerator.unwrap_model(self.model)
-        max_model_len = args.vllm_max_model_length
-        if max_model_len is None and self._max_prompt_tokens is not None:
-            # Room for the longest prompt and completion, within what the model's positions allow.
-            max_model_len = self._max_prompt_tokens + args.max_completion_length
-        return VLLMColocateGenerator(
-            policy,
-            settings,
-            eos_token_ids,
-            self.processing_class.pad_token_id,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            enable_sleep_mode=args.vllm_enable_sleep_mode,
-            seed=args.seed + self.accelerator.process_index,
-            **engine_kwargs,
-        )
+            self._weights_version = None
+            self._owns_rollout_backend = True
+        return self._rollout_backend
+
+    @rollout_backend.setter
+    def rollout_backend(self, backend: RolloutBackend) -> None:
+        """Generate with another backend (a :class:`~targetpo.generation.RolloutBackend`); its owner closes it."""
+        if self._rollout_backend is not None and self._owns_rollout_backend:
+            self._rollout_backend.close()
+        self._rollout_backend = backend
+        self._owns_rollout_backend = False
+        self._weights_version = None
 
     def _liger_can_compute_logps(self, suppresses_tokens: bool) -> bool:
         """Whether Liger's fused kernel can compute the log-probs exactly; if not, a warning says why."""
@@ -331,6 +314,7 @@ class TargetPOTrainer(Trainer):
             shuffle=True,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
             tag_uses=True,
+            lookahead_use=self._lookahead_use,
         )
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
@@ -360,12 +344,24 @@ class TargetPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         # With remove_unused_columns=True only what rollouts themselves need is kept.
         if self._signature_columns is None:
-            self._signature_columns = ["prompt", ROLLOUT_USE]
+            self._signature_columns = ["prompt", ROLLOUT_USE, UPCOMING_ROW]
 
     def train(self, *args: Any, **kwargs: Any):
         self._buffer = None  # a (resumed) run starts with a fresh rollout
-        self._vllm_weights_step = None  # and pushes its weights before it
-        return super().train(*args, **kwargs)
+        self._weights_version = None  # and gives the rollout backend its weights before it
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_rollout_backend()
+
+    def _close_rollout_backend(self) -> None:
+        """Stop any generation still under way and release the engine, its connections and helper processes."""
+        if self._upcoming is not None:
+            self._upcoming.pending.cancel()
+            self._upcoming = None
+        if self._rollout_backend is not None and self._owns_rollout_backend:
+            self._rollout_backend.close()
+            self._rollout_backend = None
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _prepare_inputs(self, rows: list[dict[str, Any]]) -> Batch:
@@ -374,10 +370,13 @@ class TargetPOTrainer(Trainer):
         # The sampler tagged which use of its rollout this batch is: use 0 starts a new rollout (and so does a resumed
         # run, which may begin mid-rollout). Uses cycle through the step batches, num_iterations times.
         use = rows[0][ROLLOUT_USE]
-        rows = [{key: value for key, value in row.items() if key != ROLLOUT_USE} for row in rows]
+        upcoming = [row.get(UPCOMING_ROW) for row in rows]
+        rows = [{key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW)} for row in rows]
         if self._buffer is None or use == 0:
             rollout = self._rollout(rows, mode="train")
             self._buffer = _split_rows(rollout, self.args.per_device_train_batch_size)
+        if use == self._lookahead_use and upcoming[0] is not None:
+            self._start_upcoming_rollout(upcoming)
         return self._buffer[use % self.args.steps_per_generation]
 
     @torch.no_grad()
@@ -388,13 +387,11 @@ class TargetPOTrainer(Trainer):
         prompts = [row["prompt"] for row in rows]
         # What one process can fail at alone (a bad prompt, generation running out of memory, a reward function
         # raising or returning the wrong number of scores) runs in guarded blocks, so that the failure stops every
-        # process before the gathers below. Generation through a vLLM server or with sharded weights, and a sharded
-        # reward model's forward pass, run collectives themselves, which every process must reach: they are not guarded.
-        collective_generation = self._sharded or (args.use_vllm and args.vllm_mode == "server")
+        # process before the gathers below. Collective generation (a vLLM server, sharded weights) and a sharded
+        # reward model's forward pass run collectives themselves, which every process must reach: they are not guarded.
         with self._failures_reach_every_process("tokenizing the prompts"):
             prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
-        with self._failures_reach_every_process("generating the completions", local=not collective_generation):
-            completions = self._generate_completions(prompt_ids, prompt_mask)
+        completions = self._generate_completions(prompt_ids, prompt_mask, mode)
         with self._failures_reach_every_process("scoring the completions"):
             completion_texts, completion_id_lists = self._decode(completions)
             reward_completions = self._as_reward_completions(prompts, completion_texts)
@@ -404,7 +401,7 @@ class TargetPOTrainer(Trainer):
             )
         if self._sharded:
             scores_per_func = self.reward_scorer.score_models(scores_per_func, prompts, reward_completions, device)
-        completion_mask = completions.attention_mask.clone()
+        completion_mask = completions.loss_mask.clone()
         if args.mask_truncated_completions:
             completion_mask[completions.truncated] = 0
         valid = completion_mask.any(dim=1)
@@ -478,9 +475,60 @@ class TargetPOTrainer(Trainer):
             return contextlib.nullcontext()
         return failures_reach_every_process(what, self.accelerator.device)
 
-    def _generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
-        with self._generation_model() as generation_model:
-            return self._generate(generation_model, prompt_ids, prompt_mask)
+    def _generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, mode: str) -> Completions:
+        """This rollout's completions: the ones generated ahead for these prompts, or generated now."""
+        backend = self.rollout_backend
+        pending = self._take_upcoming_rollout(prompt_ids, prompt_mask) if mode == "train" else None
+        started = time.perf_counter()
+        if pending is None:
+            self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
+        with self._failures_reach_every_process("generating the completions", local=not backend.collective):
+            if pending is None:
+                pending = backend.start(prompt_ids, prompt_mask)
+            completions = pending.result()
+        self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
+        if completions.weight_versions is not None:
+            known = completions.weight_versions >= 0
+            staleness = self.accelerator.gather(
+                torch.where(known, self.state.global_step - completions.weight_versions, -1)
+            )
+            staleness = staleness[staleness >= 0].float()
+            if staleness.numel() > 0:
+                self._metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
+                self._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
+        return completions
+
+    def _sync_rollout_weights(self) -> None:
+        """Give the rollout backend the current weights, at most once per optimiser step, if it keeps its own."""
+        backend = self.rollout_backend
+        if not backend.holds_weights or self._weights_version == self.state.global_step:
+            return
+        with self._generation_model() as model:
+            backend.sync_weights(model, self.state.global_step)
+        self._weights_version = self.state.global_step
+
+    def _start_upcoming_rollout(self, rows: list[dict[str, Any]]) -> None:
+        """Start generating the next rollout (async_rollouts) from the rows it will hold."""
+        if self._upcoming is not None:  # a resumed run can meet a lookahead before using the previous one
+            self._upcoming.pending.cancel()
+        with self._failures_reach_every_process("tokenizing the prompts"):
+            prompt_ids, prompt_mask = self._tokenize_prompts([row["prompt"] for row in rows])
+        self._sync_rollout_weights()
+        pending = self.rollout_backend.start(prompt_ids, prompt_mask)
+        self._upcoming = _UpcomingRollout(prompt_ids, prompt_mask, pending)
+
+    def _take_upcoming_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PendingCompletions | None:
+        """The rollout generated ahead, if it was made for exactly these prompts on every process."""
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is None:  # the same on every process: they all start upcoming rollouts together
+            return None
+        same = upcoming.prompt_ids.shape == prompt_ids.shape and bool(
+            (upcoming.prompt_ids == prompt_ids).all() and (upcoming.prompt_mask == prompt_mask).all()
+        )
+        if bool(self.accelerator.gather(torch.tensor([same], device=prompt_ids.device)).all()):
+            return upcoming.pending
+        upcoming.pending.cancel()  # e.g. a run resumed mid-epoch: the prompts it guessed are not the ones to train on
+        return None
 
     def _tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
@@ -506,53 +554,13 @@ class TargetPOTrainer(Trainer):
         gather = self.args.ds3_gather_for_generation or self.args.use_vllm
         return full_model_for_generation(self.accelerator, self.model_wrapped, gather)
 
-    def _generate(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
-        """One completion per prompt row, from ``model.generate`` or from vLLM holding the current weights."""
-        if not self.args.use_vllm:
-            return self.generator.generate(model, prompt_ids, prompt_mask)
-        # One seed per row from this process's generator: distinct samples, reproducible from `seed`.
-        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.size(0),)).tolist()
-        if self.args.vllm_mode == "colocate":
-            self.vllm.engine.wake_up()
-            self._push_weights_to_vllm(model)
-            completions = self.vllm.generate(prompt_ids, prompt_mask, seeds)
-            self.vllm.engine.sleep()
-            return completions
-        # Server mode: the main process sends every process's prompts in one request and hands back their shares.
-        self._push_weights_to_vllm(model)
-        prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
-        reply: list[Any] = [None]
-        if self.accelerator.is_main_process:
-            try:
-                reply = [self.vllm.generate(all_prompts, all_seeds)]
-            except Exception as error:  # handed to every process, which would otherwise wait for the reply forever
-                reply = [error]
-        reply = broadcast_object_list(reply)[0]
-        if isinstance(reply, Exception):
-            raise reply
-        token_ids, token_logps = reply
-        local = self._local_slice(len(prompts))
-        return pad_completions(
-            token_ids[local], token_logps[local], self.processing_class.pad_token_id, self.generator.eos_token_ids,
-            prompt_ids.device,
-        )
-
     def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_checkpoint(*args, **kwargs)
-        self._vllm_weights_step = None  # new weights that came without an optimiser step
+        self._weights_version = None  # new weights that came without an optimiser step
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         super()._load_best_model(*args, **kwargs)
-        self._vllm_weights_step = None
-
-    def _push_weights_to_vllm(self, model: nn.Module) -> None:
-        """Give the engine the current weights, once per optimiser step (``model`` holds them in full)."""
-        if self._vllm_weights_step == self.state.global_step:
-            return
-        if self.vllm is not None:  # in server mode only the main process holds a client
-            self.vllm.load_weights(export_for_engine(model))
-        self._vllm_weights_step = self.state.global_step
+        self._weights_version = None
 
     def _decode(self, completions: Completions) -> tuple[list[str], list[list[int]]]:
         """Completion texts and token ids, each cut after its first EOS."""
@@ -878,3 +886,22 @@ def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
             {key: value[start : start + rows_per_step] if torch.is_tensor(value) else value for key, value in batch.items()}
         )
     return steps
+
+
+class _UpcomingRollout:
+    """The next rollout's prompts and its generation under way."""
+
+    def __init__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pending: PendingCompletions):
+        self.prompt_ids, self.prompt_mask, self.pending = prompt_ids, prompt_mask, pending
+
+
+class _PushWeightsWhileGenerating(TrainerCallback):
+    """After each optimiser step, give a rollout backend that is generating ahead the new weights at once: its
+    in-flight requests go on with them, so the rollout is as fresh as it can be."""
+
+    def __init__(self, trainer: TargetPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer._upcoming is not None:
+            self.trainer._sync_rollout_weights()

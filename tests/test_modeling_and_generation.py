@@ -1,12 +1,13 @@
 """Completion masks, rollouts and the trainer's log-probs against a naive, one-sequence-at-a-time computation."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 from logps_cases import logps_entropies_and_gradients, padded_batch
 
-from targetpo.generation import TransformersGenerator, completion_masks
+from targetpo.generation import SamplingSettings, TransformersBackend, completion_masks
 from targetpo.modeling import (
     completion_logps,
     entropy_from_logits,
@@ -120,18 +121,20 @@ def test_entropy_of_uniform_and_peaked_logits():
 
 def test_generator_samples_from_allowed_tokens_and_respects_length(tiny_model, tokenizer):
     allowed = {tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b"), tokenizer.eos_token_id}
-    generator = TransformersGenerator(
+    settings = SamplingSettings(
         max_new_tokens=5,
-        eos_token_ids=[tokenizer.eos_token_id],
+        eos_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
         generation_kwargs={"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]},
     )
+    generator = TransformersBackend(settings, lambda: contextlib.nullcontext(tiny_model))
     encoded = tokenizer(["Say:", "Say it:"] * 4, return_tensors="pt", padding=True, padding_side="left")
     torch.manual_seed(0)
     tiny_model.train()
-    completions = generator.generate(tiny_model, encoded["input_ids"], encoded["attention_mask"])
+    completions = generator.generate(encoded["input_ids"], encoded["attention_mask"])
     assert tiny_model.training  # the mode is restored
     assert completions.ids.shape[0] == 8 and completions.ids.shape[1] <= 5
     for row, length in zip(completions.ids, completions.lengths):
         assert set(row[:length].tolist()) <= allowed
+    assert torch.equal(completions.loss_mask, completions.attention_mask)  # every generated token is trained on
     assert forward_accepts_position_ids(tiny_model)

@@ -108,6 +108,6 @@ def test_vllm_colocate_engine_takes_the_fitted_prompts(tmp_path):
             model, exact_reversal_reward, train_dataset=dataset, processing_class=tokenizer,
             args=reverse_config(tmp_path, vllm_mode="colocate", max_prompt_length=None, max_steps=1),
         )
-    assert trainer.vllm.engine.llm.llm_engine.model_config.max_model_len == 24
+    assert trainer.rollout_backend.engine.llm.llm_engine.model_config.max_model_len == 24
     trainer.train()
     assert trainer.state.global_step == 1

@@ -19,6 +19,7 @@ from datasets import Dataset
 
 from targetpo import TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm
+from targetpo.generation import Completions, RolloutBackend
 
 PROMPTS = ["Say cat:", "Say dog:", "Say sun:", "Say map:", "Say pen:", "Say cup:", "Say box:", "Say hat:"]
 ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask", "completion_mask")
@@ -39,7 +40,9 @@ class RecordedRun:
     trainer: TargetPOTrainer | None = None
 
 
-def train_and_record(tmp_path, tokenizer, monkeypatch, model=None, peft_config=None, dataset=None, **overrides):
+def train_and_record(
+    tmp_path, tokenizer, monkeypatch, model=None, peft_config=None, dataset=None, rollout_backend=None, **overrides
+):
     run = RecordedRun()
     original_rollout = TargetPOTrainer._rollout
     original_loss = TargetPOTrainer.compute_loss
@@ -76,6 +79,8 @@ def train_and_record(tmp_path, tokenizer, monkeypatch, model=None, peft_config=N
         peft_config=peft_config,
     )
     run.trainer = trainer
+    if rollout_backend is not None:
+        trainer.rollout_backend = rollout_backend(trainer)
     trainer.train()
     run.step_weights[trainer.state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
     return run
@@ -222,6 +227,46 @@ def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, t
     if settings.get("mask_truncated_completions"):
         completions = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
         assert not completions.any(1).all(), "the run must have invalid members to test"
+
+
+class ToolWrittenTokens(RolloutBackend):
+    """The default backend's completions, as if a tool had written some of their tokens: the 2nd and 3rd token of
+    every completion, and the whole of every completion that starts with "a", are in the attention mask but not in
+    the loss mask."""
+
+    def __init__(self, inner, tokenizer):
+        self.inner, self.first_letter = inner, tokenizer.convert_tokens_to_ids("a")
+
+    def generate(self, prompt_ids, prompt_mask):
+        made = self.inner.generate(prompt_ids, prompt_mask)
+        return Completions(made.ids, made.attention_mask, made.truncated, loss_mask=tool_free(made, self.first_letter))
+
+
+def tool_free(completions, first_letter):
+    loss_mask = completions.attention_mask.clone()
+    loss_mask[:, 1:3] = 0
+    loss_mask[completions.ids[:, 0] == first_letter] = 0
+    return loss_mask
+
+
+def test_tokens_out_of_the_loss_mask_get_no_gradient_and_fully_masked_completions_are_invalid(
+    tmp_path, tokenizer, monkeypatch
+):
+    letter_a = tokenizer.convert_tokens_to_ids("a")
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, max_steps=2, beta=0.3, generation_kwargs=few_letters(tokenizer),
+        rollout_backend=lambda trainer: ToolWrittenTokens(trainer.rollout_backend, tokenizer),
+        model=build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+    )
+    for _, tensors in run.rollouts:
+        # The rollout's training mask is the backend's loss mask, worked out here from the completions alone.
+        made = Completions(tensors["completion_ids"], tensors["completion_attention_mask"], torch.zeros(0))
+        assert torch.equal(tensors["completion_mask"], tool_free(made, letter_a))
+    masks = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
+    assert not masks.any(1).all(), "some completions must be wholly tool-written (invalid) to test"
+    initial = run.step_weights[0]
+    for step in range(2):
+        assert_step_matches(run, step, reference_step(run, step, reference_model=initial))
 
 
 def test_kl_term_trains_towards_the_frozen_reference(tmp_path, tokenizer, monkeypatch):

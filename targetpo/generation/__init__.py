@@ -1,6 +1,71 @@
-"""Rollout backends: they turn left-padded prompt ids into completion ids (vLLM's live in ``vllm_*.py``)."""
+"""Rollout backends behind one interface (``base.py``): ``model.generate``, a vLLM engine in each training process,
+or a ``vllm serve`` process. :func:`build_rollout_backend` picks the one the config asks for."""
 
-from .base import Completions, completion_masks, pad_completions, unpadded_prompts
-from .transformers_backend import TransformersGenerator
+from __future__ import annotations
 
-__all__ = ["Completions", "TransformersGenerator", "completion_masks", "pad_completions", "unpadded_prompts"]
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .base import Completions, PendingCompletions, RolloutBackend, completion_masks, pad_completions, unpadded_prompts
+from .sampling import SamplingSettings
+from .transformers_backend import TransformersBackend
+
+__all__ = [
+    "Completions",
+    "PendingCompletions",
+    "RolloutBackend",
+    "SamplingSettings",
+    "TransformersBackend",
+    "build_rollout_backend",
+    "completion_masks",
+    "pad_completions",
+    "unpadded_prompts",
+]
+
+
+def build_rollout_backend(
+    args: Any,
+    accelerator: Any,
+    policy: nn.Module,
+    settings: SamplingSettings,
+    generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
+    sharded: bool,
+    max_model_len: int | None,
+) -> RolloutBackend:
+    """The backend the config asks for: ``use_vllm`` and ``vllm_mode`` choose among the three."""
+    if not args.use_vllm:
+        return TransformersBackend(settings, generation_model, synced_gpus=sharded and accelerator.num_processes > 1)
+    if args.vllm_mode == "server":
+        from .vllm_server import VLLMServerBackend
+
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return VLLMServerBackend(
+            accelerator, settings, base_url, args.vllm_server_timeout, args.vllm_weight_transfer_backend
+        )
+
+    from .vllm_backend import VLLMColocateBackend
+
+    engine_kwargs: dict[str, Any] = {}
+    if accelerator.num_processes > 1:
+        if args.vllm_tensor_parallel_size > 1:
+            # The processes of one tensor-parallel engine would have to submit identical requests.
+            raise ValueError(
+                "vllm_tensor_parallel_size > 1 in colocate mode is supported with one training process only; with "
+                f"{accelerator.num_processes} processes use vllm_tensor_parallel_size=1 (one engine per process) or "
+                "vllm_mode='server'."
+            )
+        # One engine per training process, joining the processes' existing torch.distributed world.
+        engine_kwargs["distributed_executor_backend"] = "external_launcher"
+    return VLLMColocateBackend(
+        policy,
+        settings,
+        max_model_len=args.vllm_max_model_length or max_model_len,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        seed=args.seed + accelerator.process_index,
+        **engine_kwargs,
+    )

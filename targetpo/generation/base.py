@@ -1,30 +1,114 @@
-"""What every rollout backend returns, and how a completion's mask is read off its tokens."""
+"""The rollout interface: what every backend returns, and what every backend does.
+
+A backend turns a step's left-padded prompts into :class:`Completions` and owns everything specific to it: how the
+work is spread over the training processes, an engine's sleep and wake, keeping the engine's weights equal to the
+policy's (:meth:`RolloutBackend.sync_weights`) and shutting the engine down. The trainer calls this interface only.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
 
 @dataclass
 class Completions:
     """Generated completions, right-padded to a common length ``C``.
 
-    ``attention_mask`` covers each completion up to and including its first EOS; ``truncated`` marks completions that
-    reached the length limit without one. ``sampler_logps`` holds the sampling engine's own log-prob of each token
-    when the engine reports them (vLLM), for the importance-sampling correction.
+    ``attention_mask`` covers each completion up to and including its first EOS; ``loss_mask`` marks, within it, the
+    tokens the policy is trained on (the policy's own tokens: a tool's output inserted into a completion is in the
+    attention mask but not in the loss mask). ``truncated`` marks completions that reached the length limit without
+    an EOS. ``sampler_logps`` holds the sampling engine's own log-prob of each token when the engine reports them
+    (vLLM), for the importance-sampling correction; ``weight_versions`` the optimiser step of the oldest weights that
+    wrote any token of each completion, where the engine reports it (asynchronous rollouts).
     """
 
     ids: torch.Tensor  # (N, C) long
     attention_mask: torch.Tensor  # (N, C) long
     truncated: torch.Tensor  # (N,) bool
+    loss_mask: torch.Tensor | None = None  # (N, C) long; None: the attention mask
     sampler_logps: torch.Tensor | None = None  # (N, C) float32, 0 past each completion's end
+    weight_versions: torch.Tensor | None = None  # (N,) long
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # per-row fields handed to reward functions
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.attention_mask.clone()
+        elif bool((self.loss_mask.bool() & ~self.attention_mask.bool()).any()):
+            raise ValueError("A completion's loss mask may only cover tokens inside its attention mask.")
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.attention_mask.sum(dim=1)
+
+    def rows(self, selection: slice) -> Completions:
+        """The completions of ``selection`` (a process's share of a rollout)."""
+        tensors = {
+            name: None if value is None else value[selection]
+            for name, value in (
+                ("ids", self.ids),
+                ("attention_mask", self.attention_mask),
+                ("truncated", self.truncated),
+                ("loss_mask", self.loss_mask),
+                ("sampler_logps", self.sampler_logps),
+                ("weight_versions", self.weight_versions),
+            )
+        }
+        return Completions(**tensors, extra={key: values[selection] for key, values in self.extra.items()})
+
+
+class PendingCompletions:
+    """Completions being generated; :meth:`result` waits for them. Backends that cannot overlap generation with
+    training return them already made."""
+
+    def __init__(self, completions: Completions | None = None):
+        self._completions = completions
+        self.wait_seconds = 0.0  # how long :meth:`result` waited
+
+    def result(self) -> Completions:
+        assert self._completions is not None
+        return self._completions
+
+    def cancel(self) -> None:
+        """Drop completions that will not be used."""
+
+
+class RolloutBackend:
+    """A way of producing rollouts; subclasses implement :meth:`generate` (or :meth:`start`).
+
+    Attributes a backend sets:
+        collective: every process must call :meth:`generate` together (it runs collectives itself), so the trainer
+            cannot guard it per process; such a backend makes its own failures reach every process.
+        holds_weights: it samples from weights of its own, which :meth:`sync_weights` keeps equal to the policy's.
+        overlaps_training: :meth:`start` returns before the completions are made, so training can go on meanwhile.
+    """
+
+    collective: bool = False
+    holds_weights: bool = False
+    overlaps_training: bool = False
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        """One completion per left-padded prompt row; rows that repeat a prompt give independent samples."""
+        return self.start(prompt_ids, prompt_mask).result()
+
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PendingCompletions:
+        """Start generating; the default generates at once."""
+        started = time.perf_counter()
+        pending = PendingCompletions(self.generate(prompt_ids, prompt_mask))
+        pending.wait_seconds = time.perf_counter() - started
+        return pending
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Give the engine the policy's current weights (``model`` holds them in full); ``version`` names them (the
+        optimiser step). Called on every process, at most once per optimiser step, before the weights are needed."""
+
+    def close(self) -> None:
+        """Release the engine, connections and helper processes."""
 
 
 def completion_masks(
@@ -58,6 +142,7 @@ def pad_completions(
     pad_token_id: int,
     eos_token_ids: Sequence[int],
     device: torch.device | str = "cpu",
+    weight_versions: Sequence[int] | None = None,
 ) -> Completions:
     """Right-pad per-completion token ids and the engine's log-probs of them into :class:`Completions`."""
     width = max(1, max((len(ids) for ids in token_ids), default=1))
@@ -69,4 +154,6 @@ def pad_completions(
     lengths = torch.tensor([len(row) for row in token_ids], dtype=torch.long)
     completions = completion_masks(ids.to(device), eos_token_ids, lengths)
     completions.sampler_logps = logps.to(device) * completions.attention_mask
+    if weight_versions is not None:
+        completions.weight_versions = torch.tensor(list(weight_versions), dtype=torch.long, device=device)
     return completions

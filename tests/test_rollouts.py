@@ -1,0 +1,89 @@
+"""The rollout interface's pieces that need no engine: the result type, the look-ahead schedule of asynchronous
+rollouts, their settings, and the `vllm serve` command line."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_config
+
+from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
+from targetpo.generation import Completions, pad_completions
+from targetpo.generation.serve import serve_command
+
+
+def test_a_loss_mask_defaults_to_the_attention_mask_and_may_not_reach_past_it():
+    attention = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    completions = Completions(torch.zeros(2, 3, dtype=torch.long), attention, torch.tensor([False, True]))
+    assert torch.equal(completions.loss_mask, attention)
+    with pytest.raises(ValueError, match="inside its attention mask"):
+        Completions(torch.zeros(2, 3, dtype=torch.long), attention, torch.tensor([False, True]),
+                    loss_mask=torch.tensor([[1, 1, 1], [1, 1, 1]]))
+
+
+def test_a_process_share_keeps_every_field():
+    completions = pad_completions([[5, 2], [5, 5, 5], [6]], [[-0.1, -0.2], [-0.3, -0.4, -0.5], [-0.6]], 2, [2],
+                                  weight_versions=[3, 4, 5])
+    completions.extra["turns"] = ["a", "b", "c"]
+    share = completions.rows(slice(1, 3))
+    assert share.ids.tolist() == [[5, 5, 5], [6, 2, 2]] and share.truncated.tolist() == [True, True]
+    assert share.loss_mask.tolist() == [[1, 1, 1], [1, 0, 0]] and share.weight_versions.tolist() == [4, 5]
+    assert share.sampler_logps[1].tolist() == pytest.approx([-0.6, 0, 0]) and share.extra == {"turns": ["b", "c"]}
+
+
+@pytest.mark.parametrize(
+    "uses, accumulation, max_staleness, expected",
+    [
+        (1, 1, 1, 0),  # a rollout per step: the next starts at once, 1 step before it is used
+        (4, 1, 1, 3),  # 4 steps per rollout, staleness 1: the next starts before the last step
+        (4, 1, 2, 2),
+        (4, 1, 9, 0),  # never more than the whole rollout ahead
+        (4, 2, 1, 2),  # 2 steps of 2 micro-steps: the next starts with the last step
+        (2, 4, 1, 0),  # two rollouts per optimiser step
+    ],
+)
+def test_the_next_rollout_starts_as_late_as_max_staleness_allows(uses, accumulation, max_staleness, expected):
+    assert lookahead_use(uses, accumulation, max_staleness) == expected
+
+
+def test_the_look_ahead_sampler_names_the_next_rollouts_rows_in_place_across_epochs():
+    plain = RepeatSampler(6, num_generations=2, prompts_per_rollout=2, repeat_count=2, seed=3, tag_uses=True)
+    ahead = RepeatSampler(6, num_generations=2, prompts_per_rollout=2, repeat_count=2, seed=3, tag_uses=True,
+                          lookahead_use=1)
+    keys = list(ahead)
+    assert [key[:2] for key in keys] == list(plain)  # the same schedule, one more field
+    rollouts = [keys[start : start + 8] for start in range(0, len(keys), 8)]  # 2 uses x 2 prompts x 2 completions
+    for current, following in zip(rollouts, rollouts[1:]):
+        assert [key[2] for key in current[:4]] == [-1] * 4  # use 0 looks nowhere
+        assert [key[2] for key in current[4:]] == [key[0] for key in following[:4]]
+    # The last rollout of an epoch names the first rows of the next epoch, as that epoch will shuffle them.
+    plain.set_epoch(1)
+    assert [key[2] for key in rollouts[-1][4:]] == [key[0] for key in list(plain)[:4]]
+
+    rows = RolloutRows([{"prompt": f"p{index}"} for index in range(6)])
+    assert rows[(4, 1, 2)][UPCOMING_ROW] == {"prompt": "p2"} and rows[(4, 0, -1)][UPCOMING_ROW] is None
+
+
+def test_async_rollout_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="vllm_mode='server'"):
+        make_config(tmp_path, async_rollouts=True)
+    with pytest.raises(ValueError, match="max_staleness must be >= 1"):
+        make_config(tmp_path, use_vllm=True, async_rollouts=True, max_staleness=0)
+    with pytest.raises(ValueError, match="must divide one another"):
+        make_config(tmp_path, use_vllm=True, async_rollouts=True, steps_per_generation=3, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="vllm_weight_transfer_backend"):
+        make_config(tmp_path, vllm_weight_transfer_backend="tcp")
+    make_config(tmp_path, use_vllm=True, async_rollouts=True, steps_per_generation=4, gradient_accumulation_steps=2)
+
+
+def test_the_serve_command_is_vllms_own_with_the_transfer_engine_and_sampled_log_probs():
+    command, env = serve_command("some/model", "gloo", ["--port", "8123", "--dtype", "float32"])
+    # `vllm serve MODEL`, or the same server as a module where the `vllm` command cannot run (the CPU build).
+    assert command[command.index("serve") + 1] == "some/model" if "serve" in command else (
+        command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and command[command.index("--model") + 1] == "some/model")
+    assert "--enable-scale-out" in command
+    position = command.index("--weight-transfer-config")
+    assert json.loads(command[position + 1]) == {"backend": "gloo"}
+    assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert command[-4:] == ["--port", "8123", "--dtype", "float32"]  # everything else goes to vllm serve unchanged
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}

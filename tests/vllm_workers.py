@@ -1,0 +1,101 @@
+"""Training processes (2, gloo, CPU) of the server-mode tests: each builds a real trainer that talks to a server."""
+
+import json
+import os
+import traceback
+
+import torch
+from transformers import TrainerCallback
+
+from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.demo import (
+    binary_only_generation_kwargs,
+    build_tiny_causal_lm,
+    exact_reversal_reward,
+    reverse_task_dataset,
+    reverse_task_tokenizer,
+)
+
+
+def join_world(rank, world_size, port):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+
+
+def server_config(out_dir, base_url, world_size, **overrides):
+    tokenizer = reverse_task_tokenizer()
+    settings = dict(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=64 // world_size,
+        num_generations=8,
+        max_completion_length=6,
+        max_prompt_length=32,
+        generation_kwargs=binary_only_generation_kwargs(tokenizer),
+        learning_rate=5e-3,  # large steps: an engine a step behind would be far from the trainer
+        lr_scheduler_type="constant",
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=base_url,
+        vllm_server_timeout=180,
+        skip_zero_gradient_completions=False,  # every rollout's engine-vs-trainer metrics are read below
+    )
+    if world_size > 1:
+        settings.update(use_cpu=True, ddp_backend="gloo", ddp_timeout=120)
+    settings.update(overrides)
+    return TargetPOConfig(**settings)
+
+
+def make_trainer(args):
+    tokenizer = reverse_task_tokenizer()
+    return TargetPOTrainer(
+        model=build_tiny_causal_lm(tokenizer, seed=42),
+        reward_funcs=exact_reversal_reward,
+        args=args,
+        train_dataset=reverse_task_dataset(length=6, num_prompts=256, seed=0),
+        processing_class=tokenizer,
+    )
+
+
+class SaveWeightsEachStep(TrainerCallback):
+    """The policy's weights after every optimiser step, to compare with what the engine holds."""
+
+    def __init__(self, trainer, out_dir, rank):
+        self.trainer, self.out_dir, self.rank = trainer, out_dir, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        state_dict = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        torch.save(state_dict, os.path.join(self.out_dir, f"weights_step{state.global_step}_rank{self.rank}.pt"))
+
+
+def server_training_worker(rank, world_size, port, base_url, out_dir, overrides):
+    """Train through the server; save the log history and the weights after each step."""
+    join_world(rank, world_size, port)
+    trainer = make_trainer(server_config(out_dir, base_url, world_size, **overrides))
+    trainer.add_callback(SaveWeightsEachStep(trainer, out_dir, rank))
+    trainer.train()
+    with open(os.path.join(out_dir, f"history_rank{rank}.json"), "w") as file:
+        json.dump(trainer.state.log_history, file)
+
+
+def server_down_worker(rank, world_size, port, base_url, out_dir):
+    """Build a trainer whose server never answers; record what each process raised."""
+    join_world(rank, world_size, port)
+    try:
+        make_trainer(server_config(out_dir, base_url, world_size, vllm_server_timeout=3))
+        outcome = {"raised": None}
+    except Exception as error:  # noqa: BLE001 (recorded for the test to check)
+        outcome = {
+            "raised": type(error).__name__,
+            "is_timeout": isinstance(error, TimeoutError),
+            "message": str(error),
+            "traceback": traceback.format_exc(),
+        }
+    with open(os.path.join(out_dir, f"outcome_rank{rank}.json"), "w") as file:
+        json.dump(outcome, file)
