@@ -204,9 +204,9 @@ class TargetPOTrainer(Trainer):
         self.sampling = SamplingSettings.from_config(args, tokenizer, self.accelerator.unwrap_model(self.model))
         # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
         self._sharded = shards_parameters(self.accelerator)
-        self._rollout_backend: RolloutBackend | None = None
-        self._owns_rollout_backend = True
-        self._rollout_backend = self.rollout_backend  # built now: a missing server or bad setting fails here
+        self._rollout_backend: RolloutBackend | None = None  # the one rollouts use
+        self._built_rollout_backend: RolloutBackend | None = None  # the one this trainer built, and closes
+        self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
         self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
         if self._importance_sampling and self.sampling.reshapes_distribution:
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
@@ -265,7 +265,7 @@ class TargetPOTrainer(Trainer):
             if self._max_prompt_tokens is not None:
                 # Room for the longest prompt and completion, within what the model's positions allow.
                 max_model_len = self._max_prompt_tokens + self.args.max_completion_length
-            self._rollout_backend = build_rollout_backend(
+            self._rollout_backend = self._built_rollout_backend = build_rollout_backend(
                 self.args,
                 self.accelerator,
                 self.accelerator.unwrap_model(self.model),
@@ -275,16 +275,15 @@ class TargetPOTrainer(Trainer):
                 max_model_len,
             )
             self._weights_version = None
-            self._owns_rollout_backend = True
         return self._rollout_backend
 
     @rollout_backend.setter
     def rollout_backend(self, backend: RolloutBackend) -> None:
-        """Generate with another backend (a :class:`~targetpo.generation.RolloutBackend`); its owner closes it."""
-        if self._rollout_backend is not None and self._owns_rollout_backend:
-            self._rollout_backend.close()
+        """Generate with another backend (a :class:`~targetpo.generation.RolloutBackend`); its owner closes it.
+
+        The backend the trainer built stays open, so the new one may wrap it; the trainer closes it when training ends
+        (``trainer.rollout_backend.close()`` before replacing it frees it sooner)."""
         self._rollout_backend = backend
-        self._owns_rollout_backend = False
         self._weights_version = None
 
     def _liger_can_compute_logps(self, suppresses_tokens: bool) -> bool:
@@ -359,9 +358,11 @@ class TargetPOTrainer(Trainer):
         if self._upcoming is not None:
             self._upcoming.pending.cancel()
             self._upcoming = None
-        if self._rollout_backend is not None and self._owns_rollout_backend:
-            self._rollout_backend.close()
-            self._rollout_backend = None
+        built, self._built_rollout_backend = self._built_rollout_backend, None
+        if built is not None:
+            built.close()
+            if self._rollout_backend is built:
+                self._rollout_backend = None  # built again if the trainer generates again
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _prepare_inputs(self, rows: list[dict[str, Any]]) -> Batch:

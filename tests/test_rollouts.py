@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import count_letters_reward, make_config
 
+from targetpo import TargetPOTrainer
 from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
-from targetpo.generation import Completions, pad_completions
+from targetpo.generation import Completions, RolloutBackend, pad_completions
 from targetpo.generation.serve import serve_command
 
 
@@ -100,3 +101,33 @@ def _installed(distribution):
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+class Counting(RolloutBackend):
+    """Another backend's completions, counting its calls and closes: a backend that wraps the trainer's own."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.closed = inner, 0, 0
+
+    def generate(self, prompt_ids, prompt_mask):
+        self.calls += 1
+        return self.inner.generate(prompt_ids, prompt_mask)
+
+    def close(self):
+        self.closed += 1
+
+
+def test_a_backend_set_on_the_trainer_may_wrap_the_one_it_built_which_the_trainer_closes_when_training_ends(
+    tmp_path, tiny_model, tokenizer, prompt_dataset
+):
+    trainer = TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
+                              train_dataset=prompt_dataset, processing_class=tokenizer)
+    built = Counting(trainer.rollout_backend)  # stands in for the built backend, to count its closes
+    trainer._rollout_backend = trainer._built_rollout_backend = built
+    wrapper = Counting(built)
+    trainer.rollout_backend = wrapper
+    assert built.closed == 0  # still open: the wrapper generates through it
+    trainer.train()
+    assert wrapper.calls == built.calls == 2  # one rollout per step, through the wrapper
+    assert built.closed == 1 and wrapper.closed == 0  # the trainer closes what it built, never what it was given
+    assert trainer.rollout_backend is wrapper
