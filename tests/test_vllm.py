@@ -7,7 +7,6 @@ timeout test needs no engine.
 import importlib.util
 import json
 import os
-import socket
 import time
 from types import SimpleNamespace
 
@@ -16,15 +15,11 @@ import reference as ref
 import torch
 import torch.multiprocessing as mp
 from transformers import TrainerCallback
+from vllm_serve import free_port
+from vllm_workers import make_trainer, server_config, vllm_config
 
-from targetpo import TargetPOConfig, TargetPOTrainer
-from targetpo.demo import (
-    binary_only_generation_kwargs,
-    build_tiny_causal_lm,
-    exact_reversal_reward,
-    reverse_task_dataset,
-    reverse_task_tokenizer,
-)
+from targetpo import TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
 from targetpo.generation import SamplingSettings, pad_completions
 from targetpo.generation.vllm_backend import export_for_engine
 from targetpo.modeling import merged_adapters
@@ -39,48 +34,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def reverse_config(tmp_path, **overrides):
-    tokenizer = reverse_task_tokenizer()
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=64,
-        num_generations=8,
-        max_completion_length=6,
-        max_prompt_length=32,
-        generation_kwargs=binary_only_generation_kwargs(tokenizer),
-        learning_rate=5e-3,  # large steps: a stale engine would be far from the trainer
-        lr_scheduler_type="constant",
-        max_steps=3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        use_vllm=True,
-        vllm_gpu_memory_utilization=0.2,
-        # The checks below read the engine-vs-trainer metrics of every rollout; a step that skips every completion
-        # (sparse reward) computes no trainer log-probs to compare, so nothing is skipped here.
-        skip_zero_gradient_completions=False,
-    )
-    settings.update(overrides)
-    return TargetPOConfig(**settings)
-
-
-def make_trainer(args, model=None, **kwargs):
-    tokenizer = reverse_task_tokenizer()
-    return TargetPOTrainer(
-        model=model if model is not None else build_tiny_causal_lm(tokenizer, seed=42),
-        reward_funcs=exact_reversal_reward,
-        args=args,
-        train_dataset=reverse_task_dataset(length=6, num_prompts=256, seed=0),
-        processing_class=tokenizer,
-        **kwargs,
-    )
+    return vllm_config(tmp_path / "out", **{"vllm_gpu_memory_utilization": 0.2, **overrides})
 
 
 def logged(trainer, name):
@@ -267,10 +222,8 @@ class EngineMatchesAfterEachStep(TrainerCallback):
 @pytest.mark.vllm
 @needs_vllm
 def test_server_mode_trains_through_vllm_serve_and_the_engine_holds_each_steps_weights(tmp_path, served):
-    from vllm_workers import make_trainer as make_server_trainer
-    from vllm_workers import server_config
 
-    trainer = make_server_trainer(server_config(tmp_path, served, world_size=1))
+    trainer = make_trainer(server_config(tmp_path, served, world_size=1))
     check = EngineMatchesAfterEachStep(trainer, served)
     trainer.add_callback(check)
     trainer.train()
@@ -282,18 +235,68 @@ def test_server_mode_trains_through_vllm_serve_and_the_engine_holds_each_steps_w
     assert trainer._rollout_backend is None  # closed when training ended: the server is left serving, unpaused
 
 
+# More prompt tokens at once than vLLM schedules in one step (2048 by default), each request with its own seed, as every
+# rollout sends them. Split over steps, some request's prefill would be cut in two, and on the CPU a seeded request cut
+# in two kills the engine. After a weight push every resumed request recomputes its whole sequence, so asynchronous
+# rollouts meet this all the time.
+OVERFLOWING_PROMPTS = [[3 + (index + position) % 2 for position in range(120)] for index in range(40)]  # 4,800 tokens
+SAMPLED = {"max_tokens": 4, "temperature": 1.0, "logprobs": 0, "detokenize": False, "ignore_eos": True}
+
+
+def assert_seeded_samples(generate):
+    """``generate(prompts, seeds)`` samples every prompt, and again the same tokens from the same seeds."""
+    seeds = list(range(len(OVERFLOWING_PROMPTS)))
+    first, second = generate(OVERFLOWING_PROMPTS, seeds), generate(OVERFLOWING_PROMPTS, seeds)
+    assert [len(ids) for ids in first] == [SAMPLED["max_tokens"]] * len(OVERFLOWING_PROMPTS)
+    assert first == second
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_seeded_prompts_beyond_one_scheduler_step_sample_on_the_server(served):
+    from targetpo.generation.vllm_server import VLLMServerClient
+
+    client = VLLMServerClient(served, 10)
+
+    def generate(prompts, seeds):
+        request_ids = [f"overflow-{time.monotonic_ns()}-{index}" for index in range(len(prompts))]
+        return [output["token_ids"] for output in client.generate(prompts, SAMPLED, seeds, request_ids)]
+
+    try:
+        assert_seeded_samples(generate)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_seeded_prompts_beyond_one_scheduler_step_sample_in_a_colocated_engine():
+    from targetpo.generation.vllm_backend import VLLMColocateBackend
+
+    tokenizer = reverse_task_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, seed=0)
+    settings = SamplingSettings(max_new_tokens=4, eos_token_ids=(tokenizer.eos_token_id,),
+                                pad_token_id=tokenizer.pad_token_id)
+    backend = VLLMColocateBackend(model, settings, max_model_len=128, gpu_memory_utilization=0.2, seed=0)
+    try:
+        backend.sync_weights(model, 0)
+        assert_seeded_samples(lambda prompts, seeds: backend.engine.generate(prompts, SAMPLED, seeds)[0])
+    finally:
+        backend.close()
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_sampling_settings_vllm_does_not_know_are_refused_before_connecting(tmp_path):
     # The server would ignore them silently; the trainer names them before it waits for any server.
-    from vllm_workers import make_trainer as make_server_trainer
-    from vllm_workers import server_config
 
     args = server_config(tmp_path, f"http://127.0.0.1:{free_port()}", world_size=1,
                          generation_kwargs={"not_a_sampling_field": 1}, vllm_server_timeout=60)
     started = time.monotonic()
     with pytest.raises(ValueError, match="not_a_sampling_field"):
-        make_server_trainer(args)
+        make_trainer(args)
     assert time.monotonic() - started < 30
 
 
@@ -332,9 +335,6 @@ def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp
     weight is min(p_old / p_sampler, cap), with p_sampler the older weights' probability."""
     import copy
 
-    from vllm_workers import make_trainer as make_server_trainer
-    from vllm_workers import server_config
-
     from targetpo.generation.vllm_server import VLLMServerClient
 
     versions = []  # per completion, the versions of the weights that wrote its tokens, as the server reported
@@ -346,7 +346,7 @@ def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp
         return outputs
 
     monkeypatch.setattr(VLLMServerClient, "generate", recording_generate)
-    trainer = make_server_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True,
+    trainer = make_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True,
                                                 max_steps=4))
     snapshots, used = {0: copy.deepcopy(trainer.model)}, []
     original_loss = TargetPOTrainer.compute_loss

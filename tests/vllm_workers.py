@@ -23,7 +23,8 @@ def join_world(rank, world_size, port):
     )
 
 
-def server_config(out_dir, base_url, world_size, **overrides):
+def vllm_config(out_dir, world_size=1, **overrides):
+    """The reverse task with vLLM rollouts, in large steps: an engine a step behind would be far from the trainer."""
     tokenizer = reverse_task_tokenizer()
     settings = dict(
         output_dir=str(out_dir),
@@ -32,7 +33,7 @@ def server_config(out_dir, base_url, world_size, **overrides):
         max_completion_length=6,
         max_prompt_length=32,
         generation_kwargs=binary_only_generation_kwargs(tokenizer),
-        learning_rate=5e-3,  # large steps: an engine a step behind would be far from the trainer
+        learning_rate=5e-3,
         lr_scheduler_type="constant",
         max_steps=3,
         logging_steps=1,
@@ -40,10 +41,9 @@ def server_config(out_dir, base_url, world_size, **overrides):
         report_to="none",
         disable_tqdm=True,
         use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=base_url,
-        vllm_server_timeout=180,
-        skip_zero_gradient_completions=False,  # every rollout's engine-vs-trainer metrics are read below
+        # The checks read the engine-vs-trainer metrics of every rollout; a step that skips every completion (sparse
+        # reward) computes no trainer log-probs to compare, so nothing is skipped here.
+        skip_zero_gradient_completions=False,
     )
     if world_size > 1:
         settings.update(use_cpu=True, ddp_backend="gloo", ddp_timeout=120)
@@ -51,14 +51,20 @@ def server_config(out_dir, base_url, world_size, **overrides):
     return TargetPOConfig(**settings)
 
 
-def make_trainer(args):
+def server_config(out_dir, base_url, world_size, **overrides):
+    settings = dict(vllm_mode="server", vllm_server_base_url=base_url, vllm_server_timeout=180)
+    return vllm_config(out_dir, world_size, **{**settings, **overrides})
+
+
+def make_trainer(args, model=None, **kwargs):
     tokenizer = reverse_task_tokenizer()
     return TargetPOTrainer(
-        model=build_tiny_causal_lm(tokenizer, seed=42),
+        model=model if model is not None else build_tiny_causal_lm(tokenizer, seed=42),
         reward_funcs=exact_reversal_reward,
         args=args,
         train_dataset=reverse_task_dataset(length=6, num_prompts=256, seed=0),
         processing_class=tokenizer,
+        **kwargs,
     )
 
 
