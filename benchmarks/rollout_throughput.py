@@ -10,6 +10,7 @@ generated tokens per second of each and their ratio are reported. Needs vLLM (`p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -25,12 +26,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 
 from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer  # noqa: E402
-from targetpo.generation import TransformersGenerator  # noqa: E402
-from targetpo.generation.vllm_backend import (  # noqa: E402
-    VLLMColocateGenerator,
-    export_for_engine,
-    sampling_settings,
-)
+from targetpo.generation import SamplingSettings, TransformersBackend  # noqa: E402
+from targetpo.generation.vllm_backend import VLLMColocateBackend  # noqa: E402
 
 MODELS = {
     # name: (hidden size, layers, attention heads); head_dim 32 or 64, which vLLM's CPU attention accepts
@@ -78,27 +75,20 @@ def main() -> None:
         parameters = sum(p.numel() for p in model.parameters())
         for max_new_tokens in args.max_new_tokens:
             # EOS is never sampled, so both backends generate exactly max_new_tokens per completion.
-            sampling = dict(temperature=1.0, generation_kwargs={"suppress_tokens": eos})
-            hf = TransformersGenerator(max_new_tokens, eos, tokenizer.pad_token_id, **sampling)
-            engine = VLLMColocateGenerator(
-                model,
-                sampling_settings(max_tokens=max_new_tokens, eos_token_ids=eos, **sampling),
-                eos,
-                tokenizer.pad_token_id,
-                max_model_len=64 + max_new_tokens,
-                gpu_memory_utilization=0.2,
-                seed=0,
+            settings = SamplingSettings(
+                max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos), pad_token_id=tokenizer.pad_token_id,
+                temperature=1.0, generation_kwargs={"suppress_tokens": eos},
             )
-            engine.load_weights(export_for_engine(model))  # the engine starts from placeholder weights
-            seeds = list(range(rows))
-            hf_rate, hf_tokens = tokens_per_second(
-                lambda ids, mask: hf.generate(model, ids, mask), encoded["input_ids"], encoded["attention_mask"],
-                args.repeats,
+            hf = TransformersBackend(settings, lambda: contextlib.nullcontext(model))
+            engine = VLLMColocateBackend(
+                model, settings, max_model_len=64 + max_new_tokens, gpu_memory_utilization=0.2, seed=0
             )
+            engine.sync_weights(model, 0)  # the engine starts from placeholder weights
+            hf_rate, hf_tokens = tokens_per_second(hf.generate, encoded["input_ids"], encoded["attention_mask"], args.repeats)
             vllm_rate, vllm_tokens = tokens_per_second(
-                lambda ids, mask: engine.generate(ids, mask, seeds), encoded["input_ids"], encoded["attention_mask"],
-                args.repeats,
+                engine.generate, encoded["input_ids"], encoded["attention_mask"], args.repeats
             )
+            engine.close()
             result = {
                 "model": name,
                 "parameters": parameters,

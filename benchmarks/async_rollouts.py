@@ -1,0 +1,276 @@
+"""Rollout throughput in server mode with and without `async_rollouts`, through one `vllm serve` process.
+
+The same short training run (same model, seed, prompts and settings) is trained with `async_rollouts=False` (each
+rollout is generated after the previous optimiser step, with its weights) and `async_rollouts=True` (the next
+rollout is generated while the current one trains, by the weights of the step before), alternately, against one
+server, each run in a fresh process. Reported: completion tokens generated (and trained on) per second of
+wall-clock training time, the total time, and from the trainer's log the mean seconds it waited for each rollout
+and the mean staleness of the weights that sampled it, with the ratio async / sync. Only '0' and '1' can be sampled
+(EOS is suppressed), so every completion has exactly `--completion_length` tokens, and the reward is dense (the
+fraction of the reversed string matched), so every step trains on every completion.
+
+On a CPU vLLM binds its worker's threads to all cores but one, which it leaves to its other processes. Two layouts
+of the trainer are compared: `shared` (the trainer's torch threads on every core, as by default) and `split` (the
+trainer pinned, with one thread, to the core the worker leaves free), where generating ahead has a core to itself.
+
+    python benchmarks/async_rollouts.py --output docs/benchmarks/async_rollouts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import cpu_busy, wait_until_quiet
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+LAYOUTS = ("shared", "split")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_layers", type=int, default=4)
+    parser.add_argument("--num_heads", type=int, default=4, help="hidden_size / num_heads must be a head size vLLM's "
+                        "CPU attention accepts (32, 64, 80, 96, 112, 128, ...).")
+    parser.add_argument("--prompts", type=int, default=8, help="Prompts per rollout (one rollout per optimiser step).")
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--completion_length", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=10, help="Optimiser steps per run.")
+    parser.add_argument("--warmup_steps", type=int, default=2, help="Steps left out of the steady-state rate.")
+    parser.add_argument("--rounds", type=int, default=2, help="Runs per setting and layout (sync and async alternate).")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--quiet", type=float, default=0.15,
+                        help="Busy fraction of the machine's CPUs (ours idle) above which a run waits, then is redone.")
+    parser.add_argument("--quiet_timeout", type=float, default=900, help="Seconds to wait for a quiet machine.")
+    parser.add_argument("--retries", type=int, default=2, help="Times a run disturbed by other work is redone.")
+    parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
+    # Internal: one training run, in a process of its own.
+    parser.add_argument("--run", choices=("sync", "async"), help=argparse.SUPPRESS)
+    parser.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def reversal_fraction_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:
+    """The fraction of the reversed string's characters in place: dense, so every group has a gradient."""
+    return [sum(a == b for a, b in zip(text, expected)) / len(expected) for text, expected in zip(completions, target)]
+
+
+def trainer_cpu() -> int:
+    """The core vLLM's CPU worker leaves to other processes: the last one this process may use."""
+    return max(os.sched_getaffinity(0))
+
+
+def train_once(args: argparse.Namespace) -> None:
+    """One training run against the server at ``args.url``; its measurements go to ``args.result``."""
+    if args.layout == "split":
+        os.sched_setaffinity(0, {trainer_cpu()})  # before torch starts its threads, which inherit it
+    import torch
+    from transformers import TrainerCallback
+
+    from targetpo import TargetPOConfig, TargetPOTrainer
+    from targetpo.demo import (
+        binary_only_generation_kwargs,
+        build_tiny_causal_lm,
+        reverse_task_dataset,
+        reverse_task_tokenizer,
+    )
+
+    if args.layout == "split":
+        torch.set_num_threads(1)
+
+    class StepClock(TrainerCallback):
+        """Wall-clock time at the start of training and at the end of each optimiser step."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.times = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+    tokenizer = reverse_task_tokenizer()
+    config = TargetPOConfig(
+        output_dir=str(Path(args.result).with_suffix("")),
+        per_device_train_batch_size=args.prompts * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=args.completion_length,
+        max_prompt_length=32,
+        generation_kwargs=binary_only_generation_kwargs(tokenizer),  # '0' and '1' only: EOS never ends a completion
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=args.url,
+        vllm_server_timeout=180,
+        skip_zero_gradient_completions=False,  # the same work every step, whatever the rewards
+        async_rollouts=args.run == "async",
+    )
+    trainer = TargetPOTrainer(
+        model=build_tiny_causal_lm(tokenizer, args.hidden_size, args.num_layers, args.num_heads, seed=0),
+        reward_funcs=reversal_fraction_reward,
+        args=config,
+        train_dataset=reverse_task_dataset(length=6, num_prompts=max(256, args.prompts * args.steps), seed=0),
+        processing_class=tokenizer,
+    )
+    clock = StepClock()
+    trainer.add_callback(clock)
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+
+    def logged(name):
+        return [entry[name] for entry in trainer.state.log_history if name in entry]
+
+    rows = config.per_device_train_batch_size
+    tokens = [length * rows for length in logged("completions/mean_length")]
+    if len(tokens) != args.steps or len(clock.times) != args.steps + 1:
+        raise RuntimeError(f"{args.steps} steps expected: {len(tokens)} rollouts, {len(clock.times) - 1} steps logged.")
+    warmup = min(args.warmup_steps, args.steps - 1)
+    result = {
+        "async_rollouts": config.async_rollouts,
+        "layout": args.layout,
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "total_seconds": total,
+        "tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / total,
+        "steady_tokens_per_s": sum(tokens[warmup:]) / (clock.times[-1] - clock.times[warmup]),
+        "step_seconds": [b - a for a, b in zip(clock.times, clock.times[1:])],
+        "generation_wait_seconds": logged("rollout/generation_wait_seconds"),
+        "staleness_mean": logged("rollout/staleness_mean"),
+        "mean_length": logged("completions/mean_length"),
+        "reward_mean": logged("rewards/reversal_fraction_reward/mean"),
+    }
+    Path(args.result).write_text(json.dumps(result))
+
+
+def summary(runs: list[dict], warmup: int) -> dict:
+    return {
+        "tokens_per_s": round(statistics.mean(run["tokens_per_s"] for run in runs), 1),
+        "steady_tokens_per_s": round(statistics.mean(run["steady_tokens_per_s"] for run in runs), 1),
+        "total_seconds": round(statistics.mean(run["total_seconds"] for run in runs), 2),
+        "mean_step_seconds": round(statistics.mean(s for run in runs for s in run["step_seconds"][warmup:]), 3),
+        "mean_generation_wait_seconds": round(
+            statistics.mean(w for run in runs for w in run["generation_wait_seconds"]), 3
+        ),
+        "mean_staleness": round(statistics.mean(s for run in runs for s in run["staleness_mean"]), 3),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server is stopped on a kill too
+    sys.path.insert(0, str(REPOSITORY))  # this checkout's targetpo, whatever else is installed
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.run:
+        train_once(args)
+        return
+    sys.path.insert(1, str(REPOSITORY / "tests"))  # the tests' `vllm serve` launcher
+    import torch
+    import transformers
+    from vllm_serve import served_vllm
+
+    from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
+
+    tokenizer = reverse_task_tokenizer()
+    runs: dict[str, dict[str, list]] = {layout: {"sync": [], "async": []} for layout in args.layouts}
+    disturbed: list[dict] = []  # runs redone because other work kept the machine busy around them
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory(prefix="targetpo-async-rollouts-") as work:
+        served = Path(work) / "served"
+        # The server starts from other weights than the policy's: the first push gives it the policy.
+        model = build_tiny_causal_lm(tokenizer, args.hidden_size, args.num_layers, args.num_heads, seed=1)
+        parameters = sum(parameter.numel() for parameter in model.parameters())
+        model.save_pretrained(served)
+        tokenizer.save_pretrained(served)
+        del model
+        with served_vllm(served, Path(work) / "server.log") as base_url:
+
+            def run(setting: str, layout: str, steps: int, label: str) -> dict:
+                result = Path(work) / f"{label}.json"
+                options = [f"--{name}={getattr(args, name)}" for name in
+                           ("hidden_size", "num_layers", "num_heads", "prompts", "num_generations", "completion_length",
+                            "warmup_steps")]
+                subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run", setting, "--layout", layout,
+                                "--url", base_url, "--result", str(result), f"--steps={steps}", *options],
+                               env=env, check=True, stdout=subprocess.DEVNULL)
+                return json.loads(result.read_text())
+
+            run("sync", args.layouts[0], 2, "warmup")  # the server's first pushes and generations, not timed
+            for round_index in range(args.rounds):
+                for layout in args.layouts:
+                    for setting in ("sync", "async"):
+                        for attempt in range(args.retries + 1):
+                            busy_before = wait_until_quiet(args.quiet, args.quiet_timeout)
+                            result = run(setting, layout, args.steps, f"{layout}-{setting}-{round_index}-{attempt}")
+                            result.update(round=round_index, busy_before=busy_before, busy_after=cpu_busy(5.0))
+                            if max(busy_before, result["busy_after"]) <= args.quiet or attempt == args.retries:
+                                break
+                            disturbed.append(result)
+                        runs[layout][setting].append(result)
+                        print(json.dumps({"layout": layout, "setting": setting, "round": round_index,
+                                          "tokens_per_s": round(result["tokens_per_s"], 1),
+                                          "steady_tokens_per_s": round(result["steady_tokens_per_s"], 1),
+                                          "total_seconds": round(result["total_seconds"], 2)}), flush=True)
+    layouts = {}
+    for layout in args.layouts:
+        sync = summary(runs[layout]["sync"], args.warmup_steps)
+        asynchronous = summary(runs[layout]["async"], args.warmup_steps)
+        layouts[layout] = {
+            "sync": sync,
+            "async": asynchronous,
+            "async_over_sync_tokens_per_s": round(asynchronous["tokens_per_s"] / sync["tokens_per_s"], 2),
+            "async_over_sync_steady_tokens_per_s": round(
+                asynchronous["steady_tokens_per_s"] / sync["steady_tokens_per_s"], 2
+            ),
+        }
+        print(json.dumps({"layout": layout, **layouts[layout]}), flush=True)
+    result = {
+        "model": {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
+                  "parameters": parameters},
+        "completions_per_step": args.prompts * args.num_generations,
+        "completion_length": args.completion_length,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "rounds": args.rounds,
+        "layouts": layouts,
+        "runs": runs,
+        "disturbed_runs_redone": disturbed,
+    }
+    environment = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vllm": __import__("vllm").__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+    print(json.dumps(environment))
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump({"environment": environment, "results": result}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
