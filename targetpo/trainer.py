@@ -361,6 +361,7 @@ class TargetPOTrainer(Trainer):
         built, self._built_rollout_backend = self._built_rollout_backend, None
         if built is not None:
             built.close()
+            self._weights_version = None  # a backend that wrapped it holds no weights now either
             if self._rollout_backend is built:
                 self._rollout_backend = None  # built again if the trainer generates again
 

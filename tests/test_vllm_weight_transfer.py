@@ -460,3 +460,36 @@ def test_a_request_in_flight_survives_pause_push_resume_and_is_labelled_with_bot
     assert torch.allclose(logps[switch : switch + 16], expected_logps, atol=ATOL)
     # A request after the push sees the new weights alone.
     assert torch.allclose(engine_sequence_logps(server, SEQUENCE), reference_sequence_logps(new, SEQUENCE), atol=ATOL)
+
+
+@pytest.mark.slow
+def test_a_cancelled_generation_returns_at_once(server):
+    # What happens to a rollout generated ahead and never used (the last of a run, or one for prompts a resumed run
+    # does not train on): the trainer must not wait for it to run to its length limit when it closes.
+    import threading
+    import time
+
+    from targetpo.generation.vllm_server import Cancellation, GenerationCancelled, VLLMServerClient
+
+    client = VLLMServerClient(server, timeout=10)
+    count = 16  # x 4,092 tokens: tens of seconds of decoding here
+    fields = {"max_tokens": CONTEXT - len(PROMPT), "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
+              "detokenize": False}
+    cancellation, outcome = Cancellation(), []
+
+    def generate():
+        try:
+            outcome.append(client.generate([PROMPT] * count, fields, range(count), [f"long-{i}" for i in range(count)],
+                                           cancellation))
+        except GenerationCancelled as error:
+            outcome.append(error)
+
+    request = threading.Thread(target=generate)
+    request.start()
+    time.sleep(1)
+    cancelled_at = time.monotonic()
+    cancellation.cancel()
+    request.join(timeout=300)
+    client.close()
+    assert isinstance(outcome[0], GenerationCancelled), "the generation ran to its end"
+    assert time.monotonic() - cancelled_at < 5

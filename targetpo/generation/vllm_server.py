@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,42 @@ SERVE_HINT = "`targetpo-vllm-serve --model <the policy's model> --port <port>` (
 
 class VLLMServerError(RuntimeError):
     """The vLLM server answered with an error."""
+
+
+class GenerationCancelled(RuntimeError):
+    """A :meth:`VLLMServerClient.generate` call was cancelled before its completions were made."""
+
+
+class Cancellation:
+    """Cancels one :meth:`VLLMServerClient.generate` call from another thread.
+
+    Cancelling closes the call's connections, and vLLM's server aborts a request whose client went away. (Its
+    ``/abort_requests`` endpoint, given the request ids, sometimes leaves a request running in vLLM 0.32, so it is
+    not relied on.)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self.cancelled = False
+
+    def attach(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+        """Called on the generating thread once its requests are about to go out."""
+        with self._lock:
+            self._loop, self._task = loop, task
+            if self.cancelled:
+                task.cancel()
+
+    def detach(self) -> None:
+        with self._lock:
+            self._loop = self._task = None
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._task.cancel)
 
 
 class VLLMServerClient:
@@ -87,9 +124,6 @@ class VLLMServerClient:
     def resume(self) -> None:
         self._request("POST", "/resume")
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        self._request("POST", "/abort_requests", json={"request_ids": list(request_ids)})
-
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
 
@@ -119,21 +153,36 @@ class VLLMServerClient:
 
     # ------------------------------------------------------------------------------------------ generation
     def generate(
-        self, prompts: Sequence[Sequence[int]], fields: dict[str, Any], seeds: Sequence[int], request_ids: Sequence[str]
+        self,
+        prompts: Sequence[Sequence[int]],
+        fields: dict[str, Any],
+        seeds: Sequence[int],
+        request_ids: Sequence[str],
+        cancellation: Cancellation | None = None,
     ) -> list[dict[str, Any]]:
         """One completion per prompt, all requests in flight at once (vLLM batches them): per prompt its token ids,
-        their sampling log-probs and the versions of the weights that wrote them."""
-        return asyncio.run(self._generate_all(prompts, fields, seeds, request_ids))
+        their sampling log-probs and the versions of the weights that wrote them. ``cancellation.cancel()``, from
+        any thread, stops them: this raises :class:`GenerationCancelled` and the server aborts the requests."""
+        try:
+            return asyncio.run(self._generate_all(prompts, fields, seeds, request_ids, cancellation))
+        except asyncio.CancelledError:
+            raise GenerationCancelled(f"Generation of {len(prompts)} completions was cancelled.") from None
 
-    async def _generate_all(self, prompts, fields, seeds, request_ids) -> list[dict[str, Any]]:
+    async def _generate_all(self, prompts, fields, seeds, request_ids, cancellation) -> list[dict[str, Any]]:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         timeout = httpx.Timeout(None, connect=self.timeout)
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as http:
-            requests = [
-                self._generate_one(http, prompt, {**fields, "seed": int(seed)}, request_id)
-                for prompt, seed, request_id in zip(prompts, seeds, request_ids)
-            ]
-            return list(await asyncio.gather(*requests))
+        if cancellation is not None:
+            cancellation.attach(asyncio.get_running_loop(), asyncio.current_task())
+        try:
+            async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as http:
+                requests = [
+                    self._generate_one(http, prompt, {**fields, "seed": int(seed)}, request_id)
+                    for prompt, seed, request_id in zip(prompts, seeds, request_ids)
+                ]
+                return list(await asyncio.gather(*requests))
+        finally:
+            if cancellation is not None:
+                cancellation.detach()
 
     async def _generate_one(self, http: httpx.AsyncClient, prompt, sampling_params, request_id) -> dict[str, Any]:
         body = {"request_id": request_id, "token_ids": [int(token) for token in prompt], "sampling_params": sampling_params}
@@ -220,7 +269,11 @@ class VLLMServerBackend(RolloutBackend):
         with failures_reach_every_process("connecting to the vLLM server", accelerator.device):
             if accelerator.is_main_process:
                 self.client = VLLMServerClient(base_url, timeout)
-                self.client.wait_for_server()
+                try:
+                    self.client.wait_for_server()
+                except BaseException:
+                    self.client.close()
+                    raise
                 # Two: an evaluation rollout need not queue behind a training rollout generated ahead.
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="targetpo-rollouts")
 
@@ -235,8 +288,20 @@ class VLLMServerBackend(RolloutBackend):
             first = self._requests_made
             self._requests_made += len(all_prompts)
             request_ids = [f"targetpo-{number}" for number in range(first, first + len(all_prompts))]
-            future = self._executor.submit(self.client.generate, all_prompts, self.fields, all_seeds, request_ids)
-            future.request_ids = request_ids
+            cancellation = Cancellation()
+            try:
+                if self._executor is None:
+                    raise RuntimeError(
+                        "This vLLM server backend was closed (training ended): give the trainer a new rollout "
+                        "backend, or let it build its own, before generating again."
+                    )
+                future = self._executor.submit(
+                    self.client.generate, all_prompts, self.fields, all_seeds, request_ids, cancellation
+                )
+            except Exception as error:  # e.g. closed: the error must reach every process, through result()
+                future = Future()
+                future.set_exception(error)
+            future.cancellation = cancellation
             self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
         local = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
         return _PendingServerCompletions(self, future, local, prompt_ids.device)
@@ -292,8 +357,7 @@ class VLLMServerBackend(RolloutBackend):
         if not self.accelerator.is_main_process:
             return
         for future in self._in_flight:
-            if not future.done():
-                _quietly(self.client.abort, future.request_ids)
+            future.cancellation.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -337,8 +401,8 @@ class _PendingServerCompletions(PendingCompletions):
         )
 
     def cancel(self) -> None:
-        if self.future is not None and not self.future.done():
-            _quietly(self.backend.client.abort, self.future.request_ids)
+        if self.future is not None:
+            self.future.cancellation.cancel()
 
 
 def _oldest_version(versions: Sequence[str]) -> int:
