@@ -88,6 +88,7 @@ def server_training_worker(rank, world_size, port, base_url, out_dir, overrides)
     trainer.train()
     with open(os.path.join(out_dir, f"history_rank{rank}.json"), "w") as file:
         json.dump(trainer.state.log_history, file)
+    leave_without_teardown()
 
 
 def server_down_worker(rank, world_size, port, base_url, out_dir):
@@ -105,3 +106,11 @@ def server_down_worker(rank, world_size, port, base_url, out_dir):
         }
     with open(os.path.join(out_dir, f"outcome_rank{rank}.json"), "w") as file:
         json.dump(outcome, file)
+    leave_without_teardown()
+
+
+def leave_without_teardown():
+    """Exit once every process has written its results, without tearing the gloo group down: freeing it at
+    interpreter exit can abort the process or deadlock (see distributed_workers.gradient_worker)."""
+    torch.distributed.barrier()
+    os._exit(0)
