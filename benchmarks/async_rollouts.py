@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_busy, wait_until_quiet
+from machine import cpu_busy, environment, report, wait_until_quiet
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 LAYOUTS = ("shared", "split")
@@ -188,8 +187,6 @@ def main() -> None:
         train_once(args)
         return
     sys.path.insert(1, str(REPOSITORY / "tests"))  # the tests' `vllm serve` launcher
-    import torch
-    import transformers
     from vllm_serve import served_vllm
 
     from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
@@ -259,17 +256,7 @@ def main() -> None:
         "runs": runs,
         "disturbed_runs_redone": disturbed,
     }
-    environment = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "vllm": __import__("vllm").__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-    }
-    print(json.dumps(environment))
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump({"environment": environment, "results": result}, handle, indent=2)
+    report(environment(), result, args.output)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from typing import Any
 
 
 def cpu_busy(seconds: float) -> float:
@@ -26,3 +30,33 @@ def wait_until_quiet(threshold: float, timeout: float) -> float:
         busy = cpu_busy(5.0)
         if busy <= threshold or time.monotonic() > deadline:
             return busy
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """The package versions and the machine a benchmark ran on, for its results."""
+    import torch
+    import transformers
+
+    described = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vllm": _version("vllm"),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+    return {**described, **extra}
+
+
+def report(environment: dict[str, Any], results: Any, output: str | None) -> None:
+    """Print the environment; with ``output``, also write it and the results there as JSON."""
+    print(json.dumps(environment))
+    if output:
+        with open(output, "w") as handle:
+            json.dump({"environment": environment, "results": results}, handle, indent=2)
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -24,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
+from machine import environment, report  # noqa: E402
 
 from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer  # noqa: E402
 from targetpo.generation import SamplingSettings, TransformersBackend  # noqa: E402
@@ -101,16 +101,7 @@ def main() -> None:
             }
             results.append(result)
             print(json.dumps(result), flush=True)
-    environment = {
-        "torch": torch.__version__,
-        "vllm": __import__("vllm").__version__,
-        "cpu_threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-    }
-    print(json.dumps(environment))
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump({"environment": environment, "results": results}, handle, indent=2)
+    report(environment(cpu_threads=torch.get_num_threads()), results, args.output)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_busy, wait_until_quiet
+from machine import cpu_busy, environment, report, wait_until_quiet
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 OLD_COMMIT = "5de566c"
@@ -242,8 +241,6 @@ def main() -> None:
         run_client(args)
         return
     sys.path.insert(1, str(REPOSITORY / "tests"))  # the tests' server launcher
-    import torch
-    import transformers
 
     from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
 
@@ -299,18 +296,7 @@ def main() -> None:
                 print(json.dumps({key: value for key, value in result.items() if key != "runs"}), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    environment = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "vllm": __import__("vllm").__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "old_commit": OLD_COMMIT,
-    }
-    print(json.dumps(environment))
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump({"environment": environment, "results": results}, handle, indent=2)
+    report(environment(old_commit=OLD_COMMIT), results, args.output)
 
 
 if __name__ == "__main__":
