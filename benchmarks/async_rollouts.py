@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_busy, environment, report, wait_until_quiet
+from machine import add_quiet_arguments, environment, report, run_when_quiet
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 LAYOUTS = ("shared", "split")
@@ -48,10 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup_steps", type=int, default=2, help="Steps left out of the steady-state rate.")
     parser.add_argument("--rounds", type=int, default=2, help="Runs per setting and layout (sync and async alternate).")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    parser.add_argument("--quiet", type=float, default=0.15,
-                        help="Busy fraction of the machine's CPUs (ours idle) above which a run waits, then is redone.")
-    parser.add_argument("--quiet_timeout", type=float, default=900, help="Seconds to wait for a quiet machine.")
-    parser.add_argument("--retries", type=int, default=2, help="Times a run disturbed by other work is redone.")
+    add_quiet_arguments(parser)
     parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
     # Internal: one training run, in a process of its own.
     parser.add_argument("--run", choices=("sync", "async"), help=argparse.SUPPRESS)
@@ -219,13 +216,11 @@ def main() -> None:
             for round_index in range(args.rounds):
                 for layout in args.layouts:
                     for setting in ("sync", "async"):
-                        for attempt in range(args.retries + 1):
-                            busy_before = wait_until_quiet(args.quiet, args.quiet_timeout)
-                            result = run(setting, layout, args.steps, f"{layout}-{setting}-{round_index}-{attempt}")
-                            result.update(round=round_index, busy_before=busy_before, busy_after=cpu_busy(5.0))
-                            if max(busy_before, result["busy_after"]) <= args.quiet or attempt == args.retries:
-                                break
-                            disturbed.append(result)
+                        label = f"{layout}-{setting}-{round_index}"
+                        result = run_when_quiet(
+                            lambda attempt: run(setting, layout, args.steps, f"{label}-{attempt}"), args, disturbed
+                        )
+                        result.update(round=round_index)
                         runs[layout][setting].append(result)
                         print(json.dumps({"layout": layout, "setting": setting, "round": round_index,
                                           "tokens_per_s": round(result["tokens_per_s"], 1),

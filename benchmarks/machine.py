@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -30,6 +32,32 @@ def wait_until_quiet(threshold: float, timeout: float) -> float:
         busy = cpu_busy(5.0)
         if busy <= threshold or time.monotonic() > deadline:
             return busy
+
+
+def add_quiet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings of :func:`run_when_quiet`."""
+    parser.add_argument("--quiet", type=float, default=0.15,
+                        help="Busy fraction of the machine's CPUs (ours idle) above which a run waits, then is redone.")
+    parser.add_argument("--quiet_timeout", type=float, default=900, help="Seconds to wait for a quiet machine.")
+    parser.add_argument("--retries", type=int, default=2, help="Times a run disturbed by other work is redone.")
+
+
+def run_when_quiet(
+    run: Callable[[int], dict[str, Any]], args: argparse.Namespace, disturbed: list[dict[str, Any]],
+    busy_while: str | None = None,
+) -> dict[str, Any]:
+    """``run(attempt)`` once the machine is quiet, redone (``args.retries`` times at most) while other work kept the
+    machine busy just before or after it, or during it as its result's ``busy_while`` field says. The runs redone go
+    to ``disturbed``; the result kept records the busy fractions seen around it."""
+    for attempt in range(args.retries + 1):
+        busy_before = wait_until_quiet(args.quiet, args.quiet_timeout)
+        result = run(attempt)
+        result.update(busy_before=busy_before, busy_after=cpu_busy(5.0))
+        busiest = max(busy_before, result["busy_after"], result[busy_while] if busy_while else 0.0)
+        if busiest <= args.quiet or attempt == args.retries:
+            return result
+        disturbed.append(result)
+    raise ValueError(f"--retries must be >= 0, got {args.retries}.")
 
 
 def environment(**extra: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_busy, environment, report, wait_until_quiet
+from machine import add_quiet_arguments, cpu_busy, environment, report, run_when_quiet
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 OLD_COMMIT = "5de566c"
@@ -51,10 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=5, help="Timed pushes per path and round (after a warm-up).")
     parser.add_argument("--rounds", type=int, default=2, help="Each round starts each path's server once, in turn.")
-    parser.add_argument("--quiet", type=float, default=0.15,
-                        help="Busy fraction of the machine's CPUs (ours idle) above which a run waits, then is redone.")
-    parser.add_argument("--quiet_timeout", type=float, default=900, help="Seconds to wait for a quiet machine.")
-    parser.add_argument("--retries", type=int, default=2, help="Times a run disturbed by other work is redone.")
+    add_quiet_arguments(parser)
     parser.add_argument("--output", default=None, help="Also write the results as JSON here.")
     # Internal: one path's client, run in a process of its own by the parent.
     parser.add_argument("--client", choices=("old", "new"), help=argparse.SUPPRESS)
@@ -263,15 +260,14 @@ def main() -> None:
                 disturbed = []
                 for round_index in range(args.rounds):
                     for path in ("old", "new"):
-                        for attempt in range(args.retries + 1):
-                            busy_before = wait_until_quiet(args.quiet, args.quiet_timeout)
-                            label = f"{name}-{path}-{round_index}-{attempt}"
-                            run = run_path(path, worktree, policy, served, work, args.repeats, label)
-                            run.update(round=round_index, busy_before=busy_before, busy_after=cpu_busy(5.0))
-                            quiet = max(busy_before, run["busy_after"], run["busy_with_idle_server"]) <= args.quiet
-                            if quiet or attempt == args.retries:
-                                break
-                            disturbed.append({"path": path, **run})
+                        label = f"{name}-{path}-{round_index}"
+
+                        def one_run(attempt: int) -> dict:
+                            run = run_path(path, worktree, policy, served, work, args.repeats, f"{label}-{attempt}")
+                            return {"path": path, **run}
+
+                        run = run_when_quiet(one_run, args, disturbed, busy_while="busy_with_idle_server")
+                        run.update(round=round_index)
                         runs[path].append(run)
                         print(json.dumps({"model": name, "path": path, "round": round_index,
                                           "seconds": [round(s, 3) for s in run["seconds"]]}), flush=True)
