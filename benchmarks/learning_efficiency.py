@@ -11,6 +11,12 @@ and targetpo's does not (both run float32 without checkpointing). The success ra
 finished; `--plot_only` redraws the figure and table from that file.
 
     python benchmarks/learning_efficiency.py --output docs/benchmarks/learning_efficiency.json
+
+With ``--task guess`` the task is the multi-turn guessing game (``targetpo.demo.GuessingGame``): find a hidden digit
+0-7 with a `guess` tool answering higher/lower, reward 1 only if a guess hits within three calls (optimum 7/8 with
+halving guesses). TPO and the GRPO loss run paired, as above; the rollouts are multi-turn, tool tokens out of the loss.
+
+    python benchmarks/learning_efficiency.py --task guess --steps 1000 --output docs/benchmarks/multi_turn_learning.json
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ METHODS = ("targetpo-tpo", "targetpo-grpo", "trl-grpo")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[6, 8])
+    parser.add_argument("--task", choices=("reverse", "guess"), default="reverse")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[6, 8], help="reverse: the string lengths H")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--steps", type=int, default=1500)
@@ -52,7 +59,7 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
 
     tokenizer = reverse_task_tokenizer()
     settings = dict(
-        output_dir=f"/tmp/learning_efficiency/{method}-H{length}-s{seed}",
+        output_dir=f"/tmp/learning_efficiency/{args.task}-{method}-H{length}-s{seed}",
         per_device_train_batch_size=128,
         num_generations=8,
         max_completion_length=length,
@@ -67,12 +74,29 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
         seed=seed,
         use_cpu=True,
     )
-    common = dict(
-        model=build_tiny_causal_lm(tokenizer, seed=seed),
-        reward_funcs=exact_reversal_reward,
-        train_dataset=reverse_task_dataset(length, num_prompts=4096, seed=seed),
-        processing_class=tokenizer,
-    )
+    if args.task == "reverse":
+        common = dict(
+            model=build_tiny_causal_lm(tokenizer, seed=seed),
+            reward_funcs=exact_reversal_reward,
+            train_dataset=reverse_task_dataset(length, num_prompts=4096, seed=seed),
+            processing_class=tokenizer,
+        )
+    else:
+        from targetpo.demo import GuessingGame, digits_only_generation_kwargs, guessing_dataset, guessing_tokenizer
+
+        tokenizer = guessing_tokenizer()
+        settings.update(
+            max_completion_length=20,
+            max_tool_calling_iterations=3,
+            generation_kwargs=digits_only_generation_kwargs(tokenizer),
+        )
+        common = dict(
+            model=build_tiny_causal_lm(tokenizer, seed=seed),
+            reward_funcs=None,  # the game scores itself (get_reward)
+            train_dataset=guessing_dataset(num_prompts=4096, seed=seed),
+            processing_class=tokenizer,
+            environment_factory=GuessingGame,
+        )
     if method == "trl-grpo":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -124,7 +148,10 @@ def plot(runs: list[dict], path: Path) -> None:
             for index, run in enumerate(chosen):
                 steps, rates = zip(*run["curve"])
                 axis.plot(steps, rates, color=colours[method], alpha=0.8, label=method if index == 0 else None)
-        axis.set_title(f"reverse a {length}-bit string (random: {2 ** -length:.4f})")
+        if length == 0:
+            axis.set_title("guess a hidden digit 0-7 with a tool, 3 calls (optimum 0.875)")
+        else:
+            axis.set_title(f"reverse a {length}-bit string (random: {2 ** -length:.4f})")
         axis.set_xlabel("optimiser step (128 completions each)")
         axis.set_ylabel("success rate of sampled completions")
         axis.set_ylim(0, 1)
@@ -138,6 +165,9 @@ def main() -> None:
     args = parse_args()
     output = Path(args.output)
     runs = json.loads(output.read_text())["runs"] if output.exists() else []
+    if args.task == "guess":
+        args.lengths = [0]  # one game: the runs are keyed H = 0
+        args.methods = [method for method in args.methods if method != "trl-grpo"]
     if not args.plot_only:
         for length in args.lengths:
             for seed in args.seeds:

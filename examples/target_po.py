@@ -5,6 +5,11 @@ from a reward of 1 for an exact answer and 0 otherwise — in about two minutes 
 
     python examples/target_po.py
 
+The second embedded task is multi-turn: the model finds a hidden digit by calling a `guess` tool, which answers
+higher or lower, and earns 1 only if a guess hits within three calls:
+
+    python examples/target_po.py --task guess
+
 Every TargetPOConfig field is a flag, and a model, dataset and rewards from the Hub or disk can be swapped in:
 
     accelerate launch examples/target_po.py \\
@@ -23,9 +28,13 @@ from transformers import AutoTokenizer, HfArgumentParser
 
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import (
+    GuessingGame,
     binary_only_generation_kwargs,
     build_tiny_causal_lm,
+    digits_only_generation_kwargs,
     exact_reversal_reward,
+    guessing_dataset,
+    guessing_tokenizer,
     reverse_task_dataset,
     reverse_task_tokenizer,
 )
@@ -52,6 +61,16 @@ EMBEDDED_DEFAULTS = dict(
     save_strategy="no",
     report_to="none",
 )
+#: The guessing game's settings on top of those: a whole game (three guesses, the answers, the last turn) fits in
+#: 20 tokens.
+GUESS_DEFAULTS = dict(
+    output_dir="outputs/target_po-guess",
+    max_steps=1000,
+    logging_steps=20,
+    max_completion_length=20,
+    max_tool_calling_iterations=3,
+)
+TASKS = ("reverse", "guess")
 
 
 @dataclass
@@ -74,6 +93,14 @@ class ScriptArguments:
         metadata={
             "help": f"Built-in reward names ({', '.join(BUILTIN_REWARDS)}) and/or reward-model ids or paths. "
             "Default: exact_reversal for the embedded task."
+        },
+    )
+    task: str = field(
+        default="reverse",
+        metadata={
+            "help": "Embedded task: 'reverse' (reverse a binary string) or 'guess' (find a hidden digit with a tool, "
+            "over several turns).",
+            "choices": TASKS,
         },
     )
     reverse_length: int = field(default=6, metadata={"help": "Embedded task: length H of the binary strings."})
@@ -103,11 +130,15 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig]:
     )[0]
     if wants_help or peek.dataset_name is None:
         parser.set_defaults(**EMBEDDED_DEFAULTS)
+        if not wants_help and peek.task == "guess":
+            parser.set_defaults(**GUESS_DEFAULTS)
     script_args, training_args = parser.parse_args_into_dataclasses(argv)
     return script_args, training_args
 
 
 def load_data(script_args: ScriptArguments):
+    if script_args.dataset_name is None and script_args.task == "guess":
+        return guessing_dataset(script_args.num_prompts, seed=0), None
     if script_args.dataset_name is None:
         dataset = reverse_task_dataset(script_args.reverse_length, script_args.num_prompts, seed=0)
         return dataset, None
@@ -127,8 +158,9 @@ def load_data(script_args: ScriptArguments):
 def main(argv: list[str] | None = None) -> TargetPOTrainer:
     script_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv)
     embedded_task = script_args.dataset_name is None
-    names = script_args.reward_funcs or (["exact_reversal"] if embedded_task else None)
-    if not names:
+    guess_task = embedded_task and script_args.task == "guess"
+    names = script_args.reward_funcs or (["exact_reversal"] if embedded_task and not guess_task else None)
+    if not names and not guess_task:  # the game scores itself (GuessingGame.get_reward)
         raise SystemExit("error: --reward_funcs is required with --dataset_name (built-in names or reward-model ids).")
     if not embedded_task and script_args.model_name_or_path is None:
         raise SystemExit(
@@ -136,17 +168,19 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             "('0', '1', '=') can only read the embedded reversal task, not another dataset's text. Pass a model id or "
             "path, e.g. --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct."
         )
-    reward_funcs = [BUILTIN_REWARDS.get(name, name) for name in names]
+    reward_funcs = [BUILTIN_REWARDS.get(name, name) for name in names or []]
     train_dataset, eval_dataset = load_data(script_args)
 
     try:
         if script_args.model_name_or_path is None:
-            tokenizer = reverse_task_tokenizer()
+            tokenizer = guessing_tokenizer() if guess_task else reverse_task_tokenizer()
             model = build_tiny_causal_lm(tokenizer, seed=training_args.seed)
         else:
             model = script_args.model_name_or_path
             tokenizer = from_pretrained_or_explain(AutoTokenizer, model, "tokenizer")
-        if embedded_task:
+        if guess_task and training_args.generation_kwargs is None:
+            training_args.generation_kwargs = digits_only_generation_kwargs(tokenizer)
+        elif embedded_task:
             # The task allows only '0' and '1', so completions are exactly H tokens long; prompts are H bits and '='.
             training_args.max_completion_length = script_args.reverse_length
             training_args.max_prompt_length = script_args.reverse_length + 1
@@ -159,12 +193,13 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
+            environment_factory=GuessingGame if guess_task else None,
         )
     except OSError as error:  # a model, tokenizer or reward model that is neither on disk nor reachable
         raise SystemExit(f"error: {error}") from error
 
     trainer.train()
-    if embedded_task:
+    if embedded_task and not guess_task:
         # Saved with the model, so that a plain `generate` samples as the rollouts did (the trainer itself ignores a
         # checkpoint's generation_config): only '0' and '1', exactly H of them.
         trainer.accelerator.unwrap_model(trainer.model).generation_config.update(**rollout_sampling(training_args))

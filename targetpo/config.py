@@ -81,6 +81,20 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Extra `GenerationConfig` settings for rollouts (JSON), e.g. '{\"suppress_tokens\": [3]}'."},
     )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for every `apply_chat_template` call (JSON), e.g. "
+            "'{\"enable_thinking\": false}'."
+        },
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools or an environment: the most rounds of tool calls per sample. A sample still calling "
+            "tools after that many rounds ends there, truncated. None: no limit but max_completion_length."
+        },
+    )
     logps_chunk_size: int = field(
         default=512,
         metadata={
@@ -208,7 +222,7 @@ class GRPOConfig(TrainingArguments):
 
     def __post_init__(self):
         # Dict-valued fields arrive as JSON strings from the command line.
-        for name in ("model_init_kwargs", "generation_kwargs"):
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:
@@ -226,6 +240,10 @@ class GRPOConfig(TrainingArguments):
             )
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(
+                f"max_tool_calling_iterations must be >= 0 or None (no limit), got {self.max_tool_calling_iterations}."
+            )
         if self.max_completion_length < 1:
             raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:

@@ -110,8 +110,11 @@ def prompt_problem(prompt: Any) -> tuple[str, str] | None:
     return None
 
 
-def render_prompts(prompts: Sequence[Any], tokenizer: Any) -> list[str]:
-    """Prompt texts: strings as they are, conversations through the tokenizer's chat template.
+def render_prompts(
+    prompts: Sequence[Any], tokenizer: Any, tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+) -> list[str]:
+    """Prompt texts: strings as they are, conversations through the tokenizer's chat template (with the ``tools``
+    schemas, if any, and ``template_kwargs``).
 
     A conversation that ends with an assistant message is continued rather than followed by a new turn.
     """
@@ -127,6 +130,8 @@ def render_prompts(prompts: Sequence[Any], tokenizer: Any) -> list[str]:
                 tokenize=False,
                 add_generation_prompt=not continue_final,
                 continue_final_message=continue_final,
+                tools=tools or None,
+                **template_kwargs,
             )
         )
     return texts

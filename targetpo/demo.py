@@ -96,3 +96,84 @@ def binary_only_generation_kwargs(tokenizer: PreTrainedTokenizerFast) -> dict[st
 def reverse_task_tokenizer() -> PreTrainedTokenizerFast:
     """The demo's tokenizer: only the characters the task uses."""
     return build_char_tokenizer("01=", chat_template=None)
+
+
+# --------------------------------------------------------------------------------------------- the guessing game
+#: Role markers are single tokens, so the template's scaffolding costs three tokens per tool turn.
+ROLE_TOKENS = ("<tools>", "<user>", "<assistant>", "<tool>")
+#: The tools' names, then the messages; the model's turn is the digits it guesses, closed by <eos>.
+GUESS_CHAT_TEMPLATE = (
+    "{% if tools %}<tools>{% for tool in tools %}{{ tool.function.name }}{% endfor %}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}<assistant>"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}{{ call.function.arguments.number }}{% endfor %}"
+    "{% else %}{{ message.content }}{% endif %}<eos>"
+    "{% else %}<{{ message.role }}>{{ message.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+#: How the model's turn reads (transformers response parsing): any text is a call of ``guess`` with it as the
+#: number; a turn with no text ends the game.
+GUESS_RESPONSE_TEMPLATE = {
+    "start_anchor": "<assistant>",
+    "fields": {
+        "tool_calls": {
+            "content": "int",
+            "repeats": True,
+            "transform": {"type": "function", "function": {"name": "guess", "arguments": {"number": "{content}"}}},
+        }
+    },
+}
+GUESS_DIGITS = "01234567"
+
+
+class GuessingGame:
+    """Find a hidden digit from 0 to 7 by guessing: each guess is answered '+' (it is higher), '-' (lower) or '='.
+
+    The reward is terminal and 0/1: whether a guess hit the digit. Three guesses are enough when each halves the range
+    (for seven of the eight digits), so the policy has to learn to read the answers, not only to guess.
+    """
+
+    def reset(self, secret: int, **row) -> None:
+        self.secret = int(secret)
+        self.found = False
+
+    def guess(self, number: int) -> str:
+        """Guess the hidden digit.
+
+        Args:
+            number: the guess, a digit from 0 to 7.
+        """
+        if not 0 <= number <= 7:
+            raise ValueError("guess one digit from 0 to 7")
+        if number == self.secret:
+            self.found = True
+            return "="
+        return "+" if self.secret > number else "-"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.found else 0.0
+
+
+def guessing_tokenizer() -> PreTrainedTokenizerFast:
+    """A character tokenizer with the role markers as tokens, the game's chat template and response template."""
+    tokenizer = build_char_tokenizer(PRINTABLE, chat_template=GUESS_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
+    tokenizer.response_template = GUESS_RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def guessing_dataset(num_prompts: int = 4096, seed: int = 0) -> Dataset:
+    """One game per row: the same short prompt, and the hidden digit in the ``secret`` column."""
+    rng = random.Random(seed)
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": "?"}] for _ in range(num_prompts)],
+            "secret": [rng.randrange(len(GUESS_DIGITS)) for _ in range(num_prompts)],
+        }
+    )
+
+
+def digits_only_generation_kwargs(tokenizer: PreTrainedTokenizerFast) -> dict[str, list[int]]:
+    """Generation settings that let the model write only the game's digits and <eos>."""
+    allowed = {tokenizer.convert_tokens_to_ids(digit) for digit in GUESS_DIGITS} | {tokenizer.eos_token_id}
+    return {"suppress_tokens": [index for index in range(len(tokenizer)) if index not in allowed]}

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from packaging.version import Version
+from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 

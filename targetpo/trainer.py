@@ -14,11 +14,12 @@ One training micro-step reads as:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,8 +65,18 @@ from .modeling import (
     require_liger,
     supports_chunked_head,
 )
+from .multi_turn import (
+    EnvironmentPool,
+    ToolLoop,
+    check_multi_turn_arguments,
+    conversation_text,
+    custom_rollout_completions,
+    left_pad,
+    with_environment_reward,
+)
 from .reporting import RolloutTable, print_completions_table
 from .rewards import RewardFunc, RewardScorer
+from .tools import AsyncRunner, ConversationTemplate, Toolbox
 
 Batch = dict[str, Any]
 
@@ -110,6 +121,12 @@ class TargetPOTrainer(Trainer):
         reward_processing_classes: one tokenizer per reward function (None for plain functions).
         callbacks, optimizers: as for ``transformers.Trainer``.
         peft_config: a ``peft.PeftConfig``; only the adapters train and the reference is the adapter-free base.
+        tools: typed Python functions (sync or async) with docstrings the model may call; rollouts become
+            multi-turn (``docs/multi_turn.md``). Needs a conversational dataset.
+        environment_factory: a callable that makes one environment per sample: ``reset(**row)`` starts it, its public
+            methods are tools, and an optional ``get_reward()`` scores it. Reward functions get ``environments=``.
+        rollout_func: ``rollout_func(prompts, trainer) -> dict`` replaces generation with a loop of one's own: it
+            returns ``prompt_ids``, ``completion_ids`` and optionally ``logprobs``, ``env_mask`` and extra fields.
     """
 
     # The loss is a per-micro-batch mean: the Trainer divides it by the gradient-accumulation steps.
@@ -130,6 +147,9 @@ class TargetPOTrainer(Trainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
         peft_config: Any = None,
+        tools: Sequence[Callable] | None = None,
+        environment_factory: Callable[[], Any] | None = None,
+        rollout_func: Callable[[list[Any], TargetPOTrainer], dict[str, Any]] | None = None,
     ):
         if args is None:
             name = model if isinstance(model, str) else model_identifier(model) or "model"
@@ -151,20 +171,38 @@ class TargetPOTrainer(Trainer):
         if args.use_liger_kernel:
             require_liger(args.device)
 
-        # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
-        self.reward_scorer = RewardScorer(
-            reward_funcs, reward_processing_classes, args.reward_weights, args.model_init_kwargs
+        self.tools = list(tools or [])
+        self.rollout_func = rollout_func
+        check_multi_turn_arguments(self.tools, environment_factory, rollout_func, args)
+        self._toolbox = Toolbox(self.tools)  # the tools of every sample, when there is no environment
+        self._async_runner = AsyncRunner()  # async tools and rewards; its thread starts on first use
+        self._environments = (
+            EnvironmentPool(environment_factory, self.tools, self._async_runner) if environment_factory is not None else None
         )
+        reward_weights = args.reward_weights
+        if self._environments is not None and self._environments.reward is not None:
+            reward_funcs, reward_weights = with_environment_reward(reward_funcs, reward_weights, self._environments.reward)
+        # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
+        self.reward_scorer = RewardScorer(reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs)
         policy = _load_policy(model, args)
         tokenizer = load_tokenizer(policy, processing_class)
         validate_prompt_dataset(train_dataset, "train", tokenizer)
         validate_prompt_dataset(eval_dataset, "eval", tokenizer)
+        if self.tools or self._environments is not None:
+            for split, dataset in (("train", train_dataset), ("eval", eval_dataset)):
+                if dataset is not None and isinstance(dataset[0]["prompt"], str):
+                    raise ValueError(
+                        f"Tools and environments need a conversational {split} dataset (prompts as lists of chat "
+                        "messages): the chat template renders the tools and the tool turns. Wrap each prompt as "
+                        "`[{'role': 'user', 'content': prompt}]`."
+                    )
         # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
         self._max_prompt_tokens = prompt_token_limit(
             args.max_prompt_length, args.max_completion_length, max_positions(policy)
         )
+        reserved = RESERVED_REWARD_ARGUMENTS | ({"environments"} if self._environments is not None else set())
         for dataset in (train_dataset, eval_dataset):
-            clashes = RESERVED_REWARD_ARGUMENTS & set(getattr(dataset, "column_names", None) or [])
+            clashes = reserved & set(getattr(dataset, "column_names", None) or [])
             if clashes:
                 raise ValueError(
                     f"Dataset column(s) {sorted(clashes)} would collide with the reward-function arguments of the same "
@@ -202,6 +240,25 @@ class TargetPOTrainer(Trainer):
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
         self.sampling = SamplingSettings.from_config(args, tokenizer, self.accelerator.unwrap_model(self.model))
+        # Token ids a rollout may hold: the tokenizer's, and any the output layer has beyond them (padded vocabularies).
+        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
+        self._vocab_size = max(len(tokenizer), getattr(text_config, "vocab_size", None) or 0)
+        # Multi-turn rollouts: the tools every prompt shows (an environment's come from a probe instance) and the loop.
+        self._tool_schemas = self._environments.tool_schemas if self._environments else self._toolbox.schemas
+        self._tool_loop: ToolLoop | None = None
+        if self.tools or self._environments is not None:
+            model_type = self.accelerator.unwrap_model(self.model).config.model_type
+            template = ConversationTemplate(
+                tokenizer, self._tool_schemas, self.sampling.eos_token_ids, args.chat_template_kwargs, model_type
+            )
+            self._tool_loop = ToolLoop(
+                template,
+                args.max_completion_length,
+                args.max_tool_calling_iterations,
+                self.sampling.eos_token_ids,
+                self.sampling.pad_token_id,
+                self._async_runner,
+            )
         # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
         self._sharded = shards_parameters(self.accelerator)
         self._rollout_backend: RolloutBackend | None = None  # the one rollouts use
@@ -358,6 +415,7 @@ class TargetPOTrainer(Trainer):
         if self._upcoming is not None:
             self._upcoming.pending.cancel()
             self._upcoming = None
+        self._async_runner.close()
         built, self._built_rollout_backend = self._built_rollout_backend, None
         if built is not None:
             built.close()
@@ -387,17 +445,32 @@ class TargetPOTrainer(Trainer):
         device = self.accelerator.device
         args = self.args
         prompts = [row["prompt"] for row in rows]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        conversations = None
         # What one process can fail at alone (a bad prompt, generation running out of memory, a reward function
         # raising or returning the wrong number of scores) runs in guarded blocks, so that the failure stops every
         # process before the gathers below. Collective generation (a vLLM server, sharded weights) and a sharded
         # reward model's forward pass run collectives themselves, which every process must reach: they are not guarded.
-        with self._failures_reach_every_process("tokenizing the prompts"):
-            prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
-        completions = self._generate_completions(prompt_ids, prompt_mask, mode)
+        if self.rollout_func is not None:
+            prompt_ids, prompt_mask, completions, extra = self._custom_rollout(prompts)
+            columns.update(extra)
+        elif self._tool_loop is not None:
+            prompts, prompt_ids, prompt_mask, completions, conversations, environments = self._multi_turn_rollout(
+                rows, mode
+            )
+            if environments is not None:
+                columns["environments"] = environments
+        else:
+            with self._failures_reach_every_process("tokenizing the prompts"):
+                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+            completions = self._generate_completions(prompt_ids, prompt_mask, mode)
         with self._failures_reach_every_process("scoring the completions"):
             completion_texts, completion_id_lists = self._decode(completions)
-            reward_completions = self._as_reward_completions(prompts, completion_texts)
-            columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+            if conversations is None:
+                reward_completions = self._as_reward_completions(prompts, completion_texts)
+            else:  # the table shows the conversation too
+                reward_completions = conversations
+                completion_texts = [conversation_text(conversation) for conversation in conversations]
             scores_per_func = self.reward_scorer.score(
                 prompts, reward_completions, completion_id_lists, columns, self.state, device, models=not self._sharded
             )
@@ -500,6 +573,62 @@ class TargetPOTrainer(Trainer):
                 self._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
         return completions
 
+    def _multi_turn_rollout(self, rows: list[dict[str, Any]], mode: str) -> tuple[Any, ...]:
+        """Prompts (after each environment's reset), prompt ids and mask, completions, conversations and environments
+        of a rollout whose samples call tools over several turns."""
+        prompts = [row["prompt"] for row in rows]
+        environments = None
+        toolboxes = [self._toolbox] * len(rows)
+        with self._failures_reach_every_process("starting the environments"):
+            if self._environments is not None:
+                environments, prompts, toolboxes = self._environments.start(rows)
+            prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+        backend = self.rollout_backend
+        self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
+        started = time.perf_counter()
+        # A collective backend needs every process to generate each turn: they agree on whether any still has one.
+        agree = self._any_process if backend.collective else None
+        with self._failures_reach_every_process("generating the multi-turn completions", local=not backend.collective):
+            rollout = self._tool_loop.run(backend, prompt_ids, prompt_mask, toolboxes, agree)
+        self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
+        calls, failures, turns = (
+            self.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=prompt_ids.device))
+            for values in (rollout.tool_calls, rollout.tool_failures, rollout.turns)
+        )
+        self._metrics[mode]["tools/call_frequency"].append(calls.mean().item())
+        self._metrics[mode]["tools/failure_frequency"].append((failures.sum() / calls.sum().clamp(min=1)).item())
+        self._metrics[mode]["multi_turn/turns_per_sample"].append(turns.mean().item())
+        return prompts, prompt_ids, prompt_mask, rollout.completions, rollout.conversations, environments
+
+    def _any_process(self, active: bool) -> bool:
+        return bool(self.accelerator.gather(torch.tensor([active], device=self.accelerator.device)).any())
+
+    def _custom_rollout(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor, Completions, dict[str, list]]:
+        """The rollout a user's ``rollout_func`` makes, checked: prompt ids and mask, completions, extra fields."""
+        self._sync_rollout_weights()
+        backend = self.rollout_backend
+        # The function may generate with a collective backend itself, which a failure must not leave waiting.
+        with self._failures_reach_every_process("running rollout_func", local=not backend.collective):
+            result = self.rollout_func(copy.deepcopy(prompts), self)
+        with self._failures_reach_every_process("reading rollout_func's result"):
+            prompt_lists, completions, extra = custom_rollout_completions(
+                result,
+                len(prompts),
+                self.sampling.eos_token_ids,
+                self.sampling.pad_token_id,
+                self._vocab_size,
+                self.accelerator.device,
+                max_positions(self.accelerator.unwrap_model(self.model)),
+            )
+            clashes = (RESERVED_REWARD_ARGUMENTS | {"prompt"}) & set(extra)
+            if clashes:
+                raise ValueError(
+                    f"rollout_func returned extra field(s) {sorted(clashes)}, which are reward-function arguments "
+                    "already: rename them."
+                )
+        prompt_ids, prompt_mask = left_pad(prompt_lists, self.sampling.pad_token_id, self.accelerator.device)
+        return prompt_ids, prompt_mask, completions, extra
+
     def _sync_rollout_weights(self) -> None:
         """Give the rollout backend the current weights, at most once per optimiser step, if it keeps its own."""
         backend = self.rollout_backend
@@ -537,7 +666,7 @@ class TargetPOTrainer(Trainer):
         leave the completion room within the model's positions)."""
         conversational = not isinstance(prompts[0], str)
         encoded = self.processing_class(
-            text=render_prompts(prompts, self.processing_class),
+            text=self._render_prompts(prompts),
             return_tensors="pt",
             padding=True,
             padding_side="left",
@@ -549,6 +678,9 @@ class TargetPOTrainer(Trainer):
             prompt_ids = prompt_ids[:, -self._max_prompt_tokens :]
             prompt_mask = prompt_mask[:, -self._max_prompt_tokens :]
         return prompt_ids, prompt_mask
+
+    def _render_prompts(self, prompts: list[Any]) -> list[str]:
+        return render_prompts(prompts, self.processing_class, self._tool_schemas, **(self.args.chat_template_kwargs or {}))
 
     def _generation_model(self):
         """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
@@ -793,7 +925,8 @@ class TargetPOTrainer(Trainer):
         mode: str,
     ) -> None:
         metrics = self._metrics[mode]
-        lengths = self.accelerator.gather(completions.lengths).float()
+        # Tokens the policy wrote: in multi-turn samples, tool turns do not count.
+        lengths = self.accelerator.gather(completions.loss_mask.sum(dim=1)).float()
         truncated = self.accelerator.gather(completions.truncated).float()
         metrics["completions/mean_length"].append(lengths.mean().item())
         metrics["completions/min_length"].append(lengths.min().item())
@@ -850,7 +983,7 @@ class TargetPOTrainer(Trainer):
     def _record_completion_table(
         self, prompts: list[Any], completions: list[str], scores_per_func: torch.Tensor, scores_all: torch.Tensor
     ) -> None:
-        prompt_texts = gather_object(render_prompts(prompts, self.processing_class))
+        prompt_texts = gather_object(self._render_prompts(prompts))
         completion_texts = gather_object(completions)
         per_func = self.accelerator.gather(scores_per_func).cpu()
         self._completion_table = RolloutTable(

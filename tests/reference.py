@@ -29,7 +29,8 @@ def token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
 
 def sequence_logps(per_token, mask, length_normalize):
     """Mean (or sum) of the token log-probs over the mask."""
-    total = (per_token * mask).sum(-1)
+    # Tokens out of the mask may hold -inf (a tool-written token generation would never sample): they read 0.
+    total = torch.where(mask.bool(), per_token, torch.zeros_like(per_token)).sum(-1)
     return total / mask.sum(-1).clamp(min=1) if length_normalize else total
 
 
@@ -83,5 +84,5 @@ def grpo_loss(per_token, old_per_token, u, mask, epsilon):
 
 def kl(per_token, ref_per_token, mask):
     """Token mean of exp(r) - r - 1, r = logp_ref - logp, over the completion tokens."""
-    r = (ref_per_token - per_token) * mask
+    r = torch.where(mask.bool(), ref_per_token - per_token, torch.zeros_like(per_token))
     return ((torch.exp(r) - r - 1) * mask).sum() / mask.sum()

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_workers import CASES, fsdp2_generation_worker, gradient_worker, loss_and_sequence_logps, make_batch, tiny_model
+from distributed_workers import (
+    CASES,
+    fsdp2_generation_worker,
+    gradient_worker,
+    loss_and_sequence_logps,
+    make_batch,
+    tiny_model,
+)
 
 from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
 from targetpo.distributed import check_engine_supported

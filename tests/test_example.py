@@ -128,3 +128,30 @@ def test_default_demo_learns_the_sparse_task(tmp_path):
     # A random policy solves a 6-bit reversal with probability 1/64; training must multiply that several times.
     assert start < 0.08
     assert end > 3 * start and end > 0.12, rewards
+
+
+def test_guess_task_plays_multi_turn_games_with_the_tool(tmp_path):
+    example = load_example()
+    trainer = example.main(
+        ["--task", "guess", "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path / "run"),
+         "--disable_tqdm", "true"]
+    )
+    assert trainer.args.max_tool_calling_iterations == example.GUESS_DEFAULTS["max_tool_calling_iterations"]
+    assert trainer.reward_scorer.names == ["GuessingGame"]  # the game scores itself
+    logs = [entry for entry in trainer.state.log_history if "tools/call_frequency" in entry]
+    assert len(logs) == 2 and all(entry["tools/call_frequency"] > 0 for entry in logs)
+
+
+@pytest.mark.slow
+def test_guess_demo_learns_to_find_the_digit(tmp_path):
+    """The multi-turn demo, 400 steps: from about 1 game in 30 won to well above chance of a random guesser."""
+    out = tmp_path / "guess"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--task", "guess", "--max_steps", "400", "--output_dir", str(out)],
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [entry["reward"] for entry in json.loads((out / "trainer_state.json").read_text())["log_history"]
+               if "reward" in entry]
+    assert rewards[0] < 0.1
+    assert rewards[-1] > 0.25, rewards

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from targetpo import functional as F
 from targetpo import TargetPOTrainer
+from targetpo import functional as F
 
 
 def t(values, dtype=torch.float64):

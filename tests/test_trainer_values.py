@@ -41,7 +41,8 @@ class RecordedRun:
 
 
 def train_and_record(
-    tmp_path, tokenizer, monkeypatch, model=None, peft_config=None, dataset=None, rollout_backend=None, **overrides
+    tmp_path, tokenizer, monkeypatch, model=None, peft_config=None, dataset=None, rollout_backend=None, score=None,
+    trainer_kwargs=None, **overrides
 ):
     run = RecordedRun()
     original_rollout = TargetPOTrainer._rollout
@@ -60,7 +61,7 @@ def train_and_record(
         return original_loss(self, model, inputs, *args, **kwargs)
 
     def recording_reward(completions, **kwargs):
-        scores = letter_score(completions)
+        scores = (score or letter_score)(completions)
         run.rewards.append(scores)
         return scores
 
@@ -76,7 +77,7 @@ def train_and_record(
     trainer = TargetPOTrainer(
         model, recording_reward, args=make_config(tmp_path, **settings),
         train_dataset=dataset or Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
-        peft_config=peft_config,
+        peft_config=peft_config, **(trainer_kwargs or {}),
     )
     run.trainer = trainer
     if rollout_backend is not None:

@@ -402,3 +402,38 @@ def test_sleep_mode_is_refused_where_vllm_has_none(tmp_path):
 
     with pytest.raises(ValueError, match="vllm_enable_sleep_mode=False"):
         VLLMEngine(str(tmp_path), enable_sleep_mode=True)
+
+
+# ------------------------------------------------------------------------------------------------ multi-turn
+def assert_multi_turn_rollouts_match_the_engine(history):
+    """Each rollout called tools, and on every token the model wrote, over all turns, the engine's sampling log-prob
+    is the trainer's: a turn stitched at the wrong place, or a tool token taken for the model's, sets them apart."""
+    rollouts = [entry for entry in history if "tools/call_frequency" in entry]
+    assert len(rollouts) == 2
+    assert all(entry["tools/call_frequency"] > 0 and entry["multi_turn/turns_per_sample"] > 1 for entry in rollouts)
+    differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 2 and max(differences) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_multi_turn_rollouts_on_a_colocated_engine(tmp_path):
+    from vllm_workers import multi_turn_trainer
+
+    trainer = multi_turn_trainer(vllm_config(tmp_path, vllm_mode="colocate", max_steps=2))
+    trainer.train()
+    assert_multi_turn_rollouts_match_the_engine(trainer.state.log_history)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_multi_turn_rollouts_through_the_server_with_two_training_processes(tmp_path, served):
+    """Each process's samples end after their own number of turns; every process still generates each turn with
+    the others (the server's generation is collective), with as many rows as it has left."""
+    from vllm_workers import multi_turn_server_worker
+
+    mp.spawn(multi_turn_server_worker, args=(2, free_port(), served, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert_multi_turn_rollouts_match_the_engine(json.loads((tmp_path / f"history_rank{rank}.json").read_text()))

@@ -68,6 +68,74 @@ def make_trainer(args, model=None, **kwargs):
     )
 
 
+#: Multi-turn rollouts on the reverse task's 6-token vocabulary ("0", "1", "=" and the specials), so the served
+#: model serves them too: the model's turn is bits, read as a call of `flip` with them; the tool's answer comes back
+#: between "=" signs; a turn with no bits ends the sample.
+BITS_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}"
+    "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.bits }}{% else %}{{ m.content }}{% endif %}<eos>"
+    "{% elif m.role == 'tool' %}={{ m.content }}={% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
+BITS_RESPONSE_TEMPLATE = {
+    "start_anchor": "=",
+    "fields": {
+        "tool_calls": {
+            "repeats": True,
+            "transform": {"type": "function", "function": {"name": "flip", "arguments": {"bits": "{content}"}}},
+        }
+    },
+}
+
+
+class BitFlipper:
+    """An environment whose tool flips the bits it is given; it scores the share of ones it was ever sent."""
+
+    def reset(self, **row):
+        self.sent = ""
+
+    def flip(self, bits: str) -> str:
+        """Flip every bit.
+
+        Args:
+            bits: a string of 0s and 1s.
+        """
+        self.sent += bits
+        return "".join("1" if bit == "0" else "0" for bit in bits)
+
+    def get_reward(self) -> float:
+        return self.sent.count("1") / max(1, len(self.sent))
+
+
+def multi_turn_trainer(args):
+    """The reverse task as conversations with the bit-flipping environment (at most two rounds of calls)."""
+    tokenizer = reverse_task_tokenizer()
+    tokenizer.chat_template = BITS_TEMPLATE
+    tokenizer.response_template = BITS_RESPONSE_TEMPLATE
+    allowed = {tokenizer.convert_tokens_to_ids(bit) for bit in "01"} | {tokenizer.eos_token_id}
+    args.generation_kwargs = {"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]}
+    args.max_completion_length, args.max_tool_calling_iterations = 16, 2
+    dataset = reverse_task_dataset(length=6, num_prompts=256, seed=0)
+    dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    return TargetPOTrainer(
+        model=build_tiny_causal_lm(tokenizer, seed=42),
+        reward_funcs=None,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=BitFlipper,
+    )
+
+
+def multi_turn_server_worker(rank, world_size, port, base_url, out_dir):
+    """Train the multi-turn task through the server; save the log history."""
+    join_world(rank, world_size, port)
+    trainer = multi_turn_trainer(server_config(out_dir, base_url, world_size, max_steps=2))
+    trainer.train()
+    with open(os.path.join(out_dir, f"history_rank{rank}.json"), "w") as file:
+        json.dump(trainer.state.log_history, file)
+    leave_without_teardown()
+
+
 class SaveWeightsEachStep(TrainerCallback):
     """The policy's weights after every optimiser step, to compare with what the engine holds."""
 

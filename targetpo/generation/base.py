@@ -7,8 +7,9 @@ policy's (:meth:`RolloutBackend.sync_weights`) and shutting the engine down. The
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,16 +93,32 @@ class RolloutBackend:
     holds_weights: bool = False
     overlaps_training: bool = False
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
-        """One completion per left-padded prompt row; rows that repeat a prompt give independent samples."""
-        return self.start(prompt_ids, prompt_mask).result()
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> Completions:
+        """One completion per left-padded prompt row; rows that repeat a prompt give independent samples.
 
-    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PendingCompletions:
+        ``max_new_tokens`` lowers the configured completion length for this call (a multi-turn rollout's later turns
+        have less room left)."""
+        return self.start(prompt_ids, prompt_mask, max_new_tokens).result()
+
+    def start(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> PendingCompletions:
         """Start generating; the default generates at once."""
         started = time.perf_counter()
-        pending = PendingCompletions(self.generate(prompt_ids, prompt_mask))
+        # A backend written for single-turn rollouts may not take the limit: it is passed only when there is one.
+        limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+        pending = PendingCompletions(self.generate(prompt_ids, prompt_mask, **limit))
         pending.wait_seconds = time.perf_counter() - started
         return pending
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Keep the backend ready for several :meth:`generate` calls in a row (the turns of a multi-turn rollout):
+        a backend that prepares for each call (wakes an engine, gathers sharded weights) does it once here. Nothing
+        else may change the weights meanwhile."""
+        yield
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Give the engine the policy's current weights (``model`` holds them in full); ``version`` names them (the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 
 import torch
@@ -32,10 +33,35 @@ class TransformersBackend(RolloutBackend):
         self.synced_gpus = synced_gpus
         self.collective = synced_gpus
         self.generation_config = settings.generation_config()
+        self._session_model: nn.Module | None = None  # the policy opened for generation, during a session
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        # Sharded weights are gathered once for all the turns, not once per turn.
+        if self._session_model is not None:
+            yield
+            return
+        with self.generation_model() as model:
+            self._session_model = model
+            try:
+                yield
+            finally:
+                self._session_model = None
+
+    def _opened_model(self) -> contextlib.AbstractContextManager[nn.Module]:
+        if self._session_model is not None:
+            return contextlib.nullcontext(self._session_model)
+        return self.generation_model()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
-        with self.generation_model() as model:
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> Completions:
+        generation_config = self.generation_config
+        if max_new_tokens is not None:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.max_new_tokens = max_new_tokens
+        with self._opened_model() as model:
             was_training = model.training
             model.eval()
             try:
@@ -43,7 +69,7 @@ class TransformersBackend(RolloutBackend):
                     output = model.generate(
                         input_ids=prompt_ids,
                         attention_mask=prompt_mask,
-                        generation_config=self.generation_config,
+                        generation_config=generation_config,
                         synced_gpus=self.synced_gpus,
                     )
             finally:

@@ -244,15 +244,32 @@ class VLLMColocateBackend(RolloutBackend):
         with tempfile.TemporaryDirectory(prefix="targetpo-vllm-") as config_dir:
             base.config.save_pretrained(config_dir)
             self.engine = VLLMEngine(config_dir, dtype=dtype, load_format="dummy", **engine_kwargs)
+        self._awake = False  # inside a session: the engine stays awake between generate calls
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Completions:
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> Completions:
         # One seed per row from this process's generator: distinct samples, reproducible from the run's seed.
         seeds = torch.randint(0, 2**31 - 1, (prompt_ids.size(0),)).tolist()
-        self.engine.wake_up()
-        token_ids, token_logps = self.engine.generate(unpadded_prompts(prompt_ids, prompt_mask), self.fields, seeds)
-        self.engine.sleep()
+        fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
+        with self.session():
+            token_ids, token_logps = self.engine.generate(unpadded_prompts(prompt_ids, prompt_mask), fields, seeds)
         settings = self.settings
         return pad_completions(token_ids, token_logps, settings.pad_token_id, settings.eos_token_ids, prompt_ids.device)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        # With sleep mode, the engine wakes once for all the turns of a rollout rather than once per turn.
+        if self._awake:
+            yield
+            return
+        self.engine.wake_up()
+        self._awake = True
+        try:
+            yield
+        finally:
+            self._awake = False
+            self.engine.sleep()
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         # Each process loads its own engine: a failure on one must not leave the others waiting further on.

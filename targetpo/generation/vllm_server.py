@@ -155,14 +155,17 @@ class VLLMServerClient:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        fields: dict[str, Any],
+        fields: dict[str, Any] | Sequence[dict[str, Any]],
         seeds: Sequence[int],
         request_ids: Sequence[str],
         cancellation: Cancellation | None = None,
     ) -> list[dict[str, Any]]:
         """One completion per prompt, all requests in flight at once (vLLM batches them): per prompt its token ids,
-        their sampling log-probs and the versions of the weights that wrote them. ``cancellation.cancel()``, from
-        any thread, stops them: this raises :class:`GenerationCancelled` and the server aborts the requests."""
+        their sampling log-probs and the versions of the weights that wrote them. ``fields`` are the sampling
+        parameters of every request, or of each. ``cancellation.cancel()``, from any thread, stops them: this raises
+        :class:`GenerationCancelled` and the server aborts the requests."""
+        if isinstance(fields, dict):
+            fields = [fields] * len(prompts)
         try:
             return asyncio.run(self._generate_all(prompts, fields, seeds, request_ids, cancellation))
         except asyncio.CancelledError:
@@ -176,8 +179,8 @@ class VLLMServerClient:
         try:
             async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as http:
                 requests = [
-                    self._generate_one(http, prompt, {**fields, "seed": int(seed)}, request_id)
-                    for prompt, seed, request_id in zip(prompts, seeds, request_ids)
+                    self._generate_one(http, prompt, {**request_fields, "seed": int(seed)}, request_id)
+                    for prompt, request_fields, seed, request_id in zip(prompts, fields, seeds, request_ids)
                 ]
                 return list(await asyncio.gather(*requests))
         finally:
@@ -278,11 +281,17 @@ class VLLMServerBackend(RolloutBackend):
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="targetpo-rollouts")
 
     # ------------------------------------------------------------------------------------------ generation
-    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PendingCompletions:
+    def start(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> PendingCompletions:
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
         # One seed per row from each process's generator: distinct samples, reproducible from the run's seed.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        # Processes may send different numbers of rows (multi-turn rollouts), each with its own length limit.
         all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
+        counts = gather_object([len(prompts)])
+        fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
+        all_fields = gather_object([fields] * len(prompts))
         future = None
         if self.accelerator.is_main_process:
             first = self._requests_made
@@ -296,14 +305,15 @@ class VLLMServerBackend(RolloutBackend):
                         "backend, or let it build its own, before generating again."
                     )
                 future = self._executor.submit(
-                    self.client.generate, all_prompts, self.fields, all_seeds, request_ids, cancellation
+                    self.client.generate, all_prompts, all_fields, all_seeds, request_ids, cancellation
                 )
             except Exception as error:  # e.g. closed: the error must reach every process, through result()
                 future = Future()
                 future.set_exception(error)
             future.cancellation = cancellation
             self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
-        local = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
+        first_row = sum(counts[: self.accelerator.process_index])
+        local = slice(first_row, first_row + len(prompts))
         return _PendingServerCompletions(self, future, local, prompt_ids.device)
 
     # ------------------------------------------------------------------------------------------ weights

@@ -1,0 +1,332 @@
+"""Tools for multi-turn rollouts: schemas, running the model's calls, reading calls out of its text, and the tokens
+a chat template writes between the model's turns.
+
+A tool is a plain typed Python function (sync or ``async``) with a Google-style docstring; transformers turns it into
+the JSON schema a chat template renders (``apply_chat_template(tools=...)``). An environment's public methods are
+tools too. Whatever a call does wrong — an unknown name, bad arguments, an exception inside the tool, text that is
+not a well-formed call — comes back to the model as a tool message that says so: it never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from transformers.utils.chat_template_utils import get_json_schema
+
+#: How a Hermes-style template (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, used by Qwen2.5/3 and
+#: many others) marks calls, for tokenizers and models with no response template of their own. Its start anchor is
+#: the chat template's own assistant header, filled in by :func:`hermes_response_template`.
+HERMES_FIELDS = {
+    "content": {},
+    "tool_calls": {
+        "open": "<tool_call>",
+        "close": "</tool_call>",
+        "content": "json",
+        "repeats": True,
+        "transform": {"type": "function", "function": "{content}"},
+    },
+}
+
+#: The tool name under which text that opens a call but cannot be parsed is answered.
+INVALID_CALL_NAME = "invalid_tool_call"
+
+#: Methods of an environment that are never tools.
+ENVIRONMENT_HOOKS = frozenset({"reset", "get_reward"})
+
+
+def tool_schema(tool: Callable) -> dict[str, Any]:
+    """The JSON schema of a tool, or a ValueError naming the tool and what its definition lacks."""
+    name = getattr(tool, "__name__", type(tool).__name__)
+    if not callable(tool):
+        raise TypeError(f"Tool {name!r} is not callable: tools are plain Python functions or methods.")
+    try:
+        return get_json_schema(tool)
+    except Exception as error:  # transformers raises its own schema errors (missing docstring, type hints, ...)
+        raise ValueError(
+            f"Tool {name!r} cannot be described to the model: {error}. A tool needs a type hint on every argument "
+            "and a Google-style docstring with an `Args:` section describing each one."
+        ) from error
+
+
+def environment_tools(environment: Any) -> list[Callable]:
+    """An environment's tools: its public methods other than ``reset`` and ``get_reward``."""
+    tools = []
+    for name in dir(type(environment)):
+        if name.startswith("_") or name in ENVIRONMENT_HOOKS:
+            continue
+        member = getattr(environment, name)
+        if inspect.ismethod(member) or inspect.isfunction(member):
+            tools.append(member)
+    return tools
+
+
+@dataclass
+class ToolOutcome:
+    """What one call gave back: the tool message for the model, and whether the call failed."""
+
+    message: dict[str, Any]
+    failed: bool
+
+
+class Toolbox:
+    """Callables by name, with their schemas; runs a model's tool calls."""
+
+    def __init__(self, tools: Sequence[Callable]):
+        self.schemas = [tool_schema(tool) for tool in tools]
+        self.functions: dict[str, Callable] = {}
+        for tool, schema in zip(tools, self.schemas):
+            name = schema["function"]["name"]
+            if name in self.functions:
+                raise ValueError(f"Two tools are named {name!r}: tool names must be unique.")
+            self.functions[name] = tool
+
+    def bind(self, call: dict[str, Any]) -> tuple[str, Callable[[], Any] | None, str | None]:
+        """The called name and a zero-argument function making the call, or an error text for the model."""
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return INVALID_CALL_NAME, None, f"Error: a tool call needs a function name, got {call!r}."
+        name = function["name"]
+        tool = self.functions.get(name)
+        if tool is None:
+            return name, None, f"Error: there is no tool named {name!r}. Available tools: {', '.join(self.functions)}."
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if isinstance(arguments, str):  # some templates leave the arguments as JSON text
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as error:
+                return name, None, f"Error: the arguments of {name!r} are not valid JSON: {error}."
+        if not isinstance(arguments, dict):
+            return name, None, f"Error: the arguments of {name!r} must be an object, got {arguments!r}."
+        try:
+            inspect.signature(tool).bind(**arguments)
+        except TypeError as error:
+            return name, None, f"Error: wrong arguments for {name!r}: {error}."
+        return name, lambda: tool(**arguments), None
+
+
+def tool_message(name: str, content: Any) -> dict[str, Any]:
+    """A tool message; non-text results are written as JSON where they can be."""
+    if not isinstance(content, str):
+        try:
+            content = json.dumps(content)
+        except (TypeError, ValueError):
+            content = str(content)
+    return {"role": "tool", "name": name, "content": content}
+
+
+def run_tool_calls(calls: Sequence[tuple[Toolbox, dict[str, Any]]], runner: AsyncRunner) -> list[ToolOutcome]:
+    """Run every call of a turn, over all samples: sync tools in order, async ones all at once."""
+    outcomes: list[ToolOutcome | None] = [None] * len(calls)
+    waiting: list[tuple[int, str, Any]] = []
+    for index, (toolbox, call) in enumerate(calls):
+        name, invoke, problem = toolbox.bind(call)
+        if invoke is None:
+            outcomes[index] = ToolOutcome(tool_message(name, problem), failed=True)
+            continue
+        try:
+            result = invoke()
+        except Exception as error:
+            outcomes[index] = ToolOutcome(tool_message(name, _error_text(name, error)), failed=True)
+            continue
+        if inspect.isawaitable(result):
+            waiting.append((index, name, result))
+        else:
+            outcomes[index] = ToolOutcome(tool_message(name, result), failed=False)
+    if waiting:
+        results = runner.run([awaitable for _, _, awaitable in waiting])
+        for (index, name, _), result in zip(waiting, results):
+            failed = isinstance(result, Exception)
+            content = _error_text(name, result) if failed else result
+            outcomes[index] = ToolOutcome(tool_message(name, content), failed=failed)
+    return outcomes  # type: ignore[return-value]
+
+
+def _error_text(name: str, error: BaseException) -> str:
+    return f"Error: {name} raised {type(error).__name__}: {error}"
+
+
+class AsyncRunner:
+    """Runs coroutines on an event loop of its own, in a background thread.
+
+    A loop of its own works whether or not the caller is already inside a running loop (a notebook), where
+    ``asyncio.run`` would refuse.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def run(self, awaitables: Sequence[Any]) -> list[Any]:
+        """The results of all ``awaitables``, run concurrently; an exception is returned in place of its result."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="targetpo-tools", daemon=True)
+            self._thread.start()
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*awaitables, return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            self._loop = self._thread = None
+
+
+class ConversationTemplate:
+    """The tokenizer's chat template as a multi-turn rollout uses it: read the model's turns, write the tool turns.
+
+    ``schemas`` are the tools rendered into every prompt. The model's calls are read with transformers' response
+    parsing (``tokenizer.parse_response``) and the template :func:`response_template` finds.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        schemas: list[dict[str, Any]],
+        eos_token_ids: Sequence[int],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        model_type: str | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.schemas = schemas
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "Tools need a chat template that renders them: the tokenizer has none. Set `tokenizer.chat_template`."
+            )
+        self.response_template = response_template(tokenizer, model_type, self.template_kwargs)
+        if self.response_template is None and schemas:
+            raise ValueError(
+                "The tokenizer has no `response_template`, so the model's tool calls cannot be read from its output. "
+                "Set `tokenizer.response_template` to a transformers response template for your chat format (see "
+                "docs/multi_turn.md), or write your own loop with `rollout_func`."
+            )
+        self.eos_texts = [tokenizer.convert_ids_to_tokens(int(token)) for token in eos_token_ids]
+        self._check_renders_tools()
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=self.schemas or None,  # some templates write tool boilerplate even for an empty list
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def parse(self, text: str, prefix: str) -> tuple[dict[str, Any], str | None]:
+        """The assistant message in ``text`` (the model's turn, without its EOS) and, if the text opens a tool call
+        that cannot be read, what is wrong with it."""
+        if not self.schemas:  # no tools: every turn is an answer
+            return {"role": "assistant", "content": text}, None
+        try:
+            parsed = self.tokenizer.parse_response(text, self.response_template, prefix=prefix, tools=self.schemas)
+        except (ValueError, TypeError, KeyError) as error:
+            return {"role": "assistant", "content": text}, f"Error: the tool call could not be read: {error}"
+        message = {"role": "assistant", "content": parsed.get("content") or ""}
+        calls = parsed.get("tool_calls")
+        if calls:
+            message["tool_calls"] = calls if isinstance(calls, list) else [calls]
+        return message, None
+
+    def tool_turn_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens after the model's end-of-turn token up to the start of its next turn: the rest of the template's
+        assistant turn, the tool messages and the next assistant header.
+
+        Rendered after a stand-in exchange rather than the real conversation, so that a template which rewrites
+        earlier turns (e.g. drops old reasoning) cannot change tokens the model already wrote.
+        """
+        before, after = self._stand_in(tool_messages)
+        return self.tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+
+    def _stand_in(self, tool_messages: list[dict[str, Any]]) -> tuple[str, str]:
+        """The stand-in exchange cut after its end-of-turn token, and the same exchange followed by the tool turn."""
+        name = self.schemas[0]["function"]["name"] if self.schemas else "tool"
+        exchange = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [_call(name)]},
+        ]
+        before = self.render(exchange, add_generation_prompt=False)
+        end = max((before.rfind(eos) + len(eos) for eos in self.eos_texts if eos and eos in before), default=-1)
+        if end >= 0:
+            before = before[:end]
+        after = self.render(exchange + tool_messages, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(
+                "The chat template renders an assistant turn differently once tool messages follow it, so the tokens "
+                "the model wrote would not match the conversation it is trained on. Use a template that renders "
+                "earlier messages the same whatever follows them."
+            )
+        return before, after
+
+    def _check_renders_tools(self) -> None:
+        """Refuse, before any work, a template that cannot render a tool exchange."""
+        if not self.schemas:
+            return
+        try:
+            self._stand_in([tool_message(self.schemas[0]["function"]["name"], "ok")])
+        except ValueError:
+            raise
+        except Exception as error:  # jinja errors: the template does not know tool calls or tool messages
+            raise ValueError(
+                f"The chat template cannot render a tool exchange (user, assistant with tool_calls, tool): {error}. "
+                "Use a chat template that supports tools."
+            ) from error
+
+
+def response_template(
+    tokenizer: Any, model_type: str | None = None, template_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """How to read the model's turns: the tokenizer's own ``response_template``; else the one transformers keeps for
+    the model type (Qwen2/2.5/3/3.5, Gemma 4, ...); else, for chat templates that write ``<tool_call>`` markup, the
+    Hermes format anchored at the template's assistant header; else None."""
+    own = getattr(tokenizer, "response_template", None)
+    if own is not None:
+        return own
+    header = generation_prompt(tokenizer, template_kwargs or {})
+    if model_type is not None:
+        try:  # transformers keeps its per-model templates beside its server, an optional part that may be missing
+            from transformers.cli.serving.utils import get_response_template
+
+            known = get_response_template(tokenizer, SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+        except Exception:
+            known = None
+        # Only for the chat format it was written for: a custom template on the same model may mark calls otherwise.
+        if known is not None and _anchored_in(known, header):
+            return known
+    if "<tool_call>" not in str(getattr(tokenizer, "chat_template", "")):
+        return None
+    return {"start_anchor": header, "fields": HERMES_FIELDS}
+
+
+def _anchored_in(template: dict[str, Any], header: str) -> bool:
+    """Whether a response template's start anchor is found in the chat template's assistant header."""
+    anchors = template.get("start_anchor") or []
+    anchors = [anchors] if isinstance(anchors, str) else list(anchors)
+    pattern = template.get("start_anchor_pattern")
+    return any(anchor in header for anchor in anchors) or (pattern is not None and re.search(pattern, header) is not None)
+
+
+def generation_prompt(tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
+    """The text a chat template writes to open the assistant's turn (what ``add_generation_prompt`` adds)."""
+    messages = [{"role": "user", "content": "x"}]
+    without = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    with_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    return with_prompt[len(without) :] if with_prompt.startswith(without) else with_prompt
+
+
+def _call(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": {}}}

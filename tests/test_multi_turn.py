@@ -1,0 +1,609 @@
+"""Multi-turn rollouts: the tool loop, environments, rollout_func, and training on samples with tool-written tokens.
+
+Most loop tests need the model to make particular tool calls, which a randomly initialised model does not: they
+generate with ``ScriptedPolicy`` (``multi_turn_workers``), a rollout backend (the public interface) that writes given
+turns. Every other part (tokenizer, chat template, transformers' response parsing, the tools, the trainer, gloo
+processes) is real. The end-to-end tests sample from a real tiny model with the real backends.
+"""
+
+import asyncio
+import contextlib
+import copy
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_config
+from datasets import Dataset
+from multi_turn_workers import ScriptedPolicy, halving_search, two_process_game_worker
+from test_distributed import free_port
+
+from targetpo import TargetPOTrainer
+from targetpo.demo import (
+    PRINTABLE,
+    ROLE_TOKENS,
+    GuessingGame,
+    build_char_tokenizer,
+    build_tiny_causal_lm,
+    digits_only_generation_kwargs,
+    guessing_dataset,
+    guessing_tokenizer,
+)
+from targetpo.generation import SamplingSettings, TransformersBackend
+from targetpo.multi_turn import ToolLoop
+from targetpo.tools import HERMES_FIELDS, ConversationTemplate, Toolbox, environment_tools, response_template
+
+#: A Hermes-style template on the character tokenizer: calls are JSON inside <tool_call> tags (the library's fallback
+#: response template reads them).
+HERMES_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<assistant>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} "
+    "| tojson }}</tool_call>{% endfor %}<eos>{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def hermes_tokenizer():
+    tokenizer = build_char_tokenizer(PRINTABLE, chat_template=HERMES_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
+    return tokenizer
+
+
+def call(tool, **arguments):
+    return "<tool_call>" + json.dumps({"name": tool, "arguments": arguments}) + "</tool_call>"
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return a + b
+
+
+def broken(text: str) -> str:
+    """A tool that always fails.
+
+    Args:
+        text: anything.
+    """
+    raise RuntimeError("the disk is full")
+
+
+def run_loop(tokenizer, tools, turns_by_prompt, prompts, max_completion_length=400, max_iterations=None):
+    """Run the real tool loop; each prompt's scripted turns are played in order."""
+    template = ConversationTemplate(tokenizer, Toolbox(tools).schemas, [tokenizer.eos_token_id])
+    loop = ToolLoop(template, max_completion_length, max_iterations, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+
+    def policy(context):
+        prompt = next(key for key in turns_by_prompt if f"<user>{key}" in context)
+        return turns_by_prompt[prompt][context.count("<assistant>") - 1]
+
+    texts = template.tokenizer.apply_chat_template
+    rendered = [texts(p, tools=template.schemas, tokenize=False, add_generation_prompt=True) for p in prompts]
+    encoded = tokenizer(rendered, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    toolboxes = [Toolbox(tools)] * len(prompts)
+    try:
+        return loop.run(ScriptedPolicy(tokenizer, policy), encoded["input_ids"], encoded["attention_mask"], toolboxes)
+    finally:
+        loop.close()
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_the_loop_runs_sync_and_async_tools_and_answers_every_kind_of_bad_call_with_an_error():
+    tokenizer = hermes_tokenizer()
+    both_started = asyncio.Event()
+    arrived = []
+
+    async def meet(name: str) -> str:
+        """Wait until both samples' calls are running at once.
+
+        Args:
+            name: who arrives.
+        """
+        arrived.append(name)
+        if len(arrived) == 2:
+            both_started.set()
+        await asyncio.wait_for(both_started.wait(), timeout=5)  # run one after the other, this times out
+        return f"met {name}"
+
+    turns = {
+        "sum": [call("add", a=2, b=3), "five"],
+        "meetA": [call("meet", name="A"), "ok"],
+        "meetB": [call("meet", name="B"), "ok"],
+        "raise": [call("broken", text="x"), "sorry"],
+        "garbled": ['<tool_call>{"name": "add", "argu', "sorry"],
+        "unknown": [call("nope"), "sorry"],
+        "badargs": [call("add", a=1), "sorry"],
+    }
+    prompts = [user(key) for key in turns]
+    rollout = run_loop(tokenizer, [add, meet, broken], turns, prompts, max_completion_length=400)
+
+    results = [conversation[1]["content"] for conversation in rollout.conversations]
+    assert results[0] == "5" and results[1] == "met A" and results[2] == "met B"
+    assert results[3] == "Error: broken raised RuntimeError: the disk is full"
+    assert results[4].startswith("Error: the tool call could not be read")
+    assert results[5].startswith("Error: there is no tool named 'nope'")
+    assert results[6].startswith("Error: wrong arguments for 'add'") and "'b'" in results[6]
+    assert rollout.tool_calls == [1] * 7
+    assert rollout.tool_failures == [0, 0, 0, 1, 1, 1, 1]
+    assert rollout.turns == [2] * 7
+    assert not rollout.completions.truncated.any()
+    # The first assistant message carries the parsed call; the last one is the answer without a call.
+    assert rollout.conversations[0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    assert rollout.conversations[0][2] == {"role": "assistant", "content": "five"}
+
+
+def test_each_sample_is_the_template_rendering_of_its_conversation_and_only_the_models_turns_are_trained():
+    tokenizer = hermes_tokenizer()
+    turns = {"sum": [call("add", a=2, b=3), call("add", a=5, b=5), "ten"], "none": ["hello"]}
+    prompts = [user("sum"), user("none")]
+    rollout = run_loop(tokenizer, [add], turns, prompts)
+    completions = rollout.completions
+    for index, (prompt, conversation) in enumerate(zip(prompts, rollout.conversations)):
+        length = int(completions.attention_mask[index].sum())
+        ids = completions.ids[index, :length].tolist()
+        mask = completions.loss_mask[index, :length].bool().tolist()
+        # The whole sequence is what the chat template writes for the conversation (from an independent rendering).
+        whole = tokenizer.apply_chat_template(prompt + conversation, tools=[add], tokenize=False)
+        prompt_text = tokenizer.apply_chat_template(prompt, tools=[add], tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == whole[len(prompt_text) :]
+        # The loss mask holds exactly the model's turns, each closed by its EOS.
+        written = [token for token, on in zip(ids, mask) if on]
+        expected = "".join(turn + "<eos>" for turn in turns[prompt[0]["content"]])
+        assert tokenizer.decode(written, skip_special_tokens=False) == expected
+    assert rollout.turns == [3, 1] and rollout.tool_calls == [2, 0]
+
+
+def test_the_turn_limit_and_the_length_limit_truncate_a_sample():
+    tokenizer = hermes_tokenizer()
+    forever = [call("add", a=1, b=1)] * 10
+    turns = {"loop": forever, "long": ["x" * 400], "fits": [call("add", a=1, b=2), "3"]}
+    rollout = run_loop(tokenizer, [add], turns, [user("loop"), user("long"), user("fits")], max_completion_length=300,
+                       max_iterations=2)
+    # Two rounds of calls answered, the third turn still calls: cut there, its call not run.
+    assert rollout.tool_calls[0] == 2 and rollout.turns[0] == 3
+    assert rollout.conversations[0][-1]["tool_calls"] and rollout.conversations[0][-2]["role"] == "tool"
+    assert rollout.completions.lengths[1] == 300  # the limit cut the turn mid-way
+    assert rollout.completions.truncated.tolist() == [True, True, False]
+
+
+def test_later_turns_are_generated_within_the_room_left():
+    tokenizer = hermes_tokenizer()
+    template = ConversationTemplate(tokenizer, Toolbox([add]).schemas, [tokenizer.eos_token_id])
+    loop = ToolLoop(template, 100, None, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    first = call("add", a=1, b=1)
+    backend = ScriptedPolicy(tokenizer, lambda context: first if context.count("<assistant>") == 1 else "2")
+    encoded = tokenizer([template.render(user("q"), True)], add_special_tokens=False, return_tensors="pt")
+    rollout = loop.run(backend, encoded["input_ids"], encoded["attention_mask"], [Toolbox([add])])
+    first_turn = len(tokenizer(first)["input_ids"]) + 1
+    tool_turn = len(template.tool_turn_ids([{"role": "tool", "name": "add", "content": "2"}]))
+    assert backend.limits == [100, 100 - first_turn - tool_turn]
+    assert rollout.completions.lengths.item() == first_turn + tool_turn + 2
+
+
+def test_a_multi_turn_rollout_opens_the_policy_for_generation_once_for_all_its_turns():
+    """Sharded weights are gathered for generation once per rollout, not once per turn."""
+    tokenizer = guessing_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    opened = []
+
+    @contextlib.contextmanager
+    def generation_model():
+        opened.append(True)
+        yield model
+
+    settings = SamplingSettings(
+        max_new_tokens=100, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
+        generation_kwargs=digits_only_generation_kwargs(tokenizer),
+    )
+    backend = TransformersBackend(settings, generation_model)
+    game = GuessingGame()
+    template = ConversationTemplate(tokenizer, Toolbox(environment_tools(game)).schemas, [tokenizer.eos_token_id])
+    loop = ToolLoop(template, 100, 3, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    encoded = tokenizer([template.render(user("?"), True)] * 8, add_special_tokens=False, return_tensors="pt")
+    games = [GuessingGame() for _ in range(8)]
+    for secret, each in enumerate(games):
+        each.reset(secret)
+    torch.manual_seed(0)
+    try:
+        rollout = loop.run(
+            backend, encoded["input_ids"], encoded["attention_mask"], [Toolbox(environment_tools(g)) for g in games]
+        )
+    finally:
+        loop.close()
+    assert max(rollout.turns) > 1  # the untrained model writes digits, each a call of `guess`: several turns
+    assert len(opened) == 1
+    backend.generate(encoded["input_ids"], encoded["attention_mask"])  # a single call outside a session opens it
+    assert len(opened) == 2
+
+
+def test_a_colocated_engine_with_sleep_mode_stays_awake_for_all_the_turns_of_a_rollout():
+    """vLLM's sleep mode needs a GPU: a recorder stands in for the engine, and the backend's own code runs."""
+    from targetpo.generation.vllm_backend import VLLMColocateBackend
+
+    class RecordingEngine:
+        def __init__(self):
+            self.calls = []
+
+        def wake_up(self):
+            self.calls.append("wake")
+
+        def sleep(self):
+            self.calls.append("sleep")
+
+        def generate(self, prompts, fields, seeds):
+            self.calls.append("generate")
+            return [[5, 2]] * len(prompts), [[-0.5, -0.1]] * len(prompts)
+
+    backend = VLLMColocateBackend.__new__(VLLMColocateBackend)  # no engine to build: the recorder is set below
+    backend.settings = SamplingSettings(max_new_tokens=4, eos_token_ids=(2,), pad_token_id=0)
+    backend.fields, backend.engine, backend._awake = {}, RecordingEngine(), False
+    ids, mask = torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.long)
+    with backend.session():
+        for _ in range(3):
+            backend.generate(ids, mask, max_new_tokens=2)
+    assert backend.engine.calls == ["wake", "generate", "generate", "generate", "sleep"]
+    backend.generate(ids, mask)
+    assert backend.engine.calls[5:] == ["wake", "generate", "sleep"]
+
+
+#: Qwen's chat format, with Qwen 3.5's XML tool calls, on the character tokenizer.
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}"
+    "</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_calls_are_read_with_the_tokenizers_template_then_transformers_one_for_the_model_then_hermes_markup():
+    pytest.importorskip("transformers.cli.serving.utils", reason="transformers' per-model response templates")
+    hermes = hermes_tokenizer()
+    schemas = Toolbox([add]).schemas
+    # Hermes markup, anchored at this template's own assistant header, also for a Qwen model with this template.
+    for model_type in (None, "qwen2"):
+        assert response_template(hermes, model_type) == {"start_anchor": "<assistant>", "fields": HERMES_FIELDS}
+    # Qwen's format on a Qwen 3.5 model: transformers' template for it reads the XML calls.
+    qwen = build_char_tokenizer(PRINTABLE, chat_template=QWEN_TEMPLATE)
+    turn = qwen.apply_chat_template(
+        user("q") + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "add", "arguments": {"a": 2, "b": 3}}}]}], tokenize=False
+    ).split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    read = {}
+    for model_type in (None, "qwen3_5"):
+        template = ConversationTemplate(qwen, schemas, [qwen.eos_token_id], model_type=model_type)
+        read[model_type] = template.parse(turn, template.render(user("q"), add_generation_prompt=True))
+    message, problem = read["qwen3_5"]
+    assert problem is None
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    # Without the model type only the Hermes JSON markup is known: the XML call is an error the model is shown.
+    message, problem = read[None]
+    assert "tool_calls" not in message and problem.startswith("Error: the tool call could not be read")
+    # A tokenizer's own template comes first.
+    qwen.response_template = {"start_anchor": "<|im_start|>assistant\n", "fields": {"content": {}}}
+    assert response_template(qwen, "qwen3_5") is qwen.response_template
+
+
+def guessing_trainer(
+    tmp_path, backend_policy=None, reward_funcs=None, environment_factory=GuessingGame, dataset=None, **overrides
+):
+    tokenizer = guessing_tokenizer()
+    settings = dict(
+        max_completion_length=20, max_tool_calling_iterations=3, generation_kwargs=digits_only_generation_kwargs(tokenizer),
+        per_device_train_batch_size=16, num_generations=4, max_steps=2, learning_rate=1e-3,
+    )
+    settings.update(overrides)
+    trainer = TargetPOTrainer(
+        build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+        reward_funcs,
+        args=make_config(tmp_path, **settings),
+        train_dataset=dataset if dataset is not None else guessing_dataset(num_prompts=64, seed=0),
+        processing_class=tokenizer,
+        environment_factory=environment_factory,
+    )
+    if backend_policy is not None:
+        trainer.rollout_backend = ScriptedPolicy(tokenizer, backend_policy)
+    return trainer
+
+
+def test_environments_keep_state_per_sample_score_themselves_and_reach_reward_functions(tmp_path):
+    seen = []
+
+    def turns_used(completions, environments, secret, **kwargs):
+        seen.append((copy.deepcopy(completions), environments, secret))
+        return [float(sum(message["role"] == "tool" for message in conversation)) for conversation in completions]
+
+    trainer = guessing_trainer(tmp_path, halving_search, reward_funcs=[turns_used], max_steps=1, log_completions=True)
+    trainer.train()
+    conversations, environments, secrets = seen[0]
+    assert len(environments) == len(conversations) == 16
+    for conversation, environment, secret in zip(conversations, environments, secrets):
+        assert environment.secret == secret  # reset(**row) got the row's columns
+        answers = [message["content"] for message in conversation if message["role"] == "tool"]
+        guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in conversation if m.get("tool_calls")]
+        # Each answer is the game's verdict on that guess for this sample's own secret.
+        for guess, answer in zip(guesses, answers):
+            assert answer == ("=" if guess == secret else "+" if secret > guess else "-")
+        assert environment.found == (secret != 0)  # halving finds every digit but 0 within three guesses
+    logs = trainer.state.log_history[0]
+    calls = [sum(message["role"] == "tool" for message in conversation) for conversation in conversations]
+    assert logs["tools/call_frequency"] == pytest.approx(sum(calls) / len(calls))
+    assert logs["tools/failure_frequency"] == 0
+    assert logs["rewards/GuessingGame/mean"] == pytest.approx(sum(e.found for e in environments) / 16)
+    assert logs["rewards/turns_used/mean"] == pytest.approx(sum(calls) / len(calls))
+    # Lengths count the model's tokens alone: each turn is its guess (one digit) or nothing, then EOS.
+    written = [sum(1 + len(m.get("tool_calls", [])) for m in c if m["role"] == "assistant") for c in conversations]
+    assert logs["completions/mean_length"] == pytest.approx(sum(written) / len(written))
+    assert logs["completions/max_length"] == max(written)
+    table = trainer._completion_table
+    assert any("tool guess: =" in text for text in table.completions)  # the table shows the conversation
+
+
+def test_environments_are_built_once_and_reset_for_every_rollout_and_an_async_get_reward_is_awaited(tmp_path):
+    built, seen = [], []
+
+    class AsyncScoredGame(GuessingGame):
+        def __init__(self):
+            built.append(self)
+
+        async def get_reward(self):
+            await asyncio.sleep(0)
+            return 2.0 if self.found else -1.0
+
+    def record(completions, environments, secret, **kwargs):
+        seen.append(([id(environment) for environment in environments], [e.secret for e in environments], secret))
+        return [0.0] * len(completions)
+
+    trainer = guessing_trainer(tmp_path, halving_search, reward_funcs=[record], environment_factory=AsyncScoredGame)
+    trainer.train()
+    assert len(built) == 16  # the probe and 15 more, for the 16 samples of a rollout: none built for the second
+    (first_ids, first_secrets, first_rows), (second_ids, second_secrets, second_rows) = seen
+    assert first_ids == second_ids == [id(environment) for environment in built]
+    assert first_secrets == first_rows and second_secrets == second_rows  # each reset with its new row
+    assert first_rows != second_rows
+    for log, rows in zip(trainer.state.log_history, (first_rows, second_rows)):
+        # The awaited rewards: halving finds every secret but 0 within three guesses.
+        expected = sum(2.0 if secret != 0 else -1.0 for secret in rows) / 16
+        assert log["rewards/AsyncScoredGame/mean"] == pytest.approx(expected)
+
+
+def test_reset_text_is_added_to_the_prompt_and_games_cut_by_the_turn_limit_are_masked_when_asked(tmp_path):
+    class Announced(GuessingGame):
+        def reset(self, secret, **row):
+            super().reset(secret)
+            return "!"
+
+    contexts, secrets, batches = [], [], []
+
+    def record_secrets(completions, secret, **kwargs):
+        secrets.extend(secret)
+        return [0.0] * len(completions)
+
+    trainer = guessing_trainer(
+        tmp_path, lambda context: contexts.append(context) or halving_search(context), reward_funcs=[record_secrets],
+        max_steps=1, mask_truncated_completions=True, environment_factory=Announced,
+        dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "?"}]] * 8, "secret": [0, 3] * 4}),
+    )
+    original = trainer._rollout
+    trainer._rollout = lambda rows, mode: batches.append(original(rows, mode)) or batches[-1]
+    trainer.train()
+    assert all(context.startswith("<tools>guess<user>?!<assistant>") for context in contexts)
+    cut = torch.tensor(secrets) == 0  # halving needs a fourth guess for 0: cut at the limit, truncated
+    assert cut.any() and not cut.all()
+    assert torch.equal(~batches[0]["valid"], cut)
+    assert (batches[0]["completion_mask"][cut] == 0).all()
+
+
+class UnscoredGame(GuessingGame):
+    """The game without its own reward: the recorded reward function is the only score."""
+
+    get_reward = None
+
+
+def conversation_score(conversations):
+    """A dense score of a whole conversation: its guesses (out-of-range ones count 9) and how many messages it took."""
+    return [
+        float(sum(min(call["function"]["arguments"]["number"], 9) for m in c for call in m.get("tool_calls", [])) + len(c))
+        for c in conversations
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(steps_per_generation=2, max_steps=4)],
+    ids=["one-step-per-rollout", "rollout-serves-two-steps"],
+)
+def test_each_sgd_step_on_sampled_multi_turn_games_is_the_hand_built_gradient_over_the_models_tokens(
+    tmp_path, monkeypatch, settings
+):
+    from test_trainer_values import assert_step_matches, reference_step, train_and_record
+
+    tokenizer = guessing_tokenizer()
+    settings = {
+        "max_steps": 2, "max_completion_length": 20, "max_tool_calling_iterations": 3, "per_device_train_batch_size": 16,
+        "num_generations": 4, "generation_kwargs": digits_only_generation_kwargs(tokenizer), **settings,
+    }
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, dataset=guessing_dataset(num_prompts=64, seed=0), score=conversation_score,
+        trainer_kwargs={"environment_factory": UnscoredGame}, **settings,
+    )
+    masks = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
+    attention = torch.cat([tensors["completion_attention_mask"] for _, tensors in run.rollouts])
+    assert ((attention == 1) & (masks == 0)).any(), "some tool-written tokens must be in the samples to test"
+    for step in range(run.trainer.state.global_step):
+        assert_step_matches(run, step, reference_step(run, step))
+
+
+@pytest.mark.parametrize("collective", [False, True], ids=["local-backend", "collective-backend"])
+def test_two_processes_play_their_own_number_of_turns_and_log_the_metrics_of_every_sample(tmp_path, collective):
+    """Process 0's samples end after one turn, process 1's after three or four. A backend whose generation is
+    collective must be called as often on every process (process 0 keeps stepping); any other generates alone."""
+    mp.spawn(two_process_game_worker, args=(2, free_port(), str(tmp_path), collective), nprocs=2, join=True)
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    turns = [[sum(m["role"] == "assistant" for m in c) for c in rank["conversations"]] for rank in (first, second)]
+    calls = [[sum(m["role"] == "tool" for m in c) for c in rank["conversations"]] for rank in (first, second)]
+    assert turns[0] == [1] * 8 and calls[0] == [0] * 8
+    assert set(turns[1]) <= {3, 4} and calls[1] == [turn - 1 for turn in turns[1]]
+    assert second["generate_calls"] == max(turns[1])
+    assert first["generate_calls"] == (max(turns[1]) if collective else 1)
+    for rank in (first, second):  # every process logs the metrics of all 16 samples
+        log = next(entry for entry in rank["log"] if "tools/call_frequency" in entry)
+        assert log["tools/call_frequency"] == pytest.approx(sum(calls[1]) / 16)
+        assert log["multi_turn/turns_per_sample"] == pytest.approx((8 + sum(turns[1])) / 16)
+        assert log["tools/failure_frequency"] == 0
+
+
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        (dict(tools=[add], string_prompts=True), "conversational train dataset"),
+        (dict(tools=[add], async_rollouts=True), "async_rollouts=True is not supported"),
+        (dict(tools=[add], rollout_func=lambda prompts, trainer: {}), "rollout_func replaces"),
+        (dict(tools=[lambda x: x]), "cannot be described to the model"),
+        (dict(environment_factory=lambda: object()), "has no reset() method"),
+        (dict(environment_factory={"game": GuessingGame}), "A dict of environment factories"),
+        (dict(tools=[add], plain_template=True), "no `response_template`"),
+    ],
+)
+def test_impossible_multi_turn_setups_are_refused_before_any_work(tmp_path, problem, message):
+    tokenizer = hermes_tokenizer()
+    problem = dict(problem)
+    if problem.pop("plain_template", False):
+        tokenizer.chat_template = HERMES_TEMPLATE.replace("<tool_call>", "[").replace("</tool_call>", "]")
+    prompts = ["q1", "q2"] if problem.pop("string_prompts", False) else [user("q1"), user("q2")]
+    overrides = {"async_rollouts": True, "use_vllm": True} if problem.pop("async_rollouts", False) else {}
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        args = make_config(tmp_path, **overrides) if not overrides else None
+        if args is None:
+            # async_rollouts needs a server configuration to be accepted by the config itself
+            args = make_config(tmp_path, use_vllm=True, vllm_mode="server", async_rollouts=True)
+        TargetPOTrainer(
+            build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128),
+            lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts * 4}),
+            processing_class=tokenizer,
+            **problem,
+        )
+
+
+# ------------------------------------------------------------------------------------------------ rollout_func
+def scripted_rollout(tokenizer, trailing="xy", trailing_trained=False):
+    """A rollout_func writing, per sample, "a"s and "b"s (varying within each group), an EOS, a tool result "=",
+    one more model token, an EOS, then a trailing tool result; a note per sample is an extra field."""
+
+    def rollout_func(prompts, trainer):
+        prompt_ids, completion_ids, masks, notes = [], [], [], []
+        for index, prompt in enumerate(prompts):
+            model_part = tokenizer("a" * (index % 3 + 1) + "b" * (index % 2), add_special_tokens=False)["input_ids"]
+            tool = tokenizer("=", add_special_tokens=False)["input_ids"]
+            tail = tokenizer(trailing, add_special_tokens=False)["input_ids"]
+            eos = [tokenizer.eos_token_id]
+            ids = model_part + eos + tool + tokenizer("c", add_special_tokens=False)["input_ids"] + eos + tail
+            mask = [1] * (len(model_part) + 1) + [0] * len(tool) + [1, 1] + [int(trailing_trained)] * len(tail)
+            prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            completion_ids.append(ids)
+            masks.append(mask)
+            notes.append(f"sample {index}")
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": masks, "note": notes}
+
+    return rollout_func
+
+
+def ab_score(completions):
+    return [float(text.count("a") + 2 * text.count("b")) for text in completions]
+
+
+def test_rollout_func_samples_train_exactly_on_their_loss_mask_and_tool_tokens_after_it_change_no_gradient(
+    tmp_path, tokenizer, monkeypatch
+):
+    from test_trainer_values import assert_step_matches, reference_step, train_and_record
+
+    def run(name, **options):
+        return train_and_record(
+            tmp_path / name, tokenizer, monkeypatch, max_steps=1, score=ab_score,
+            trainer_kwargs={"rollout_func": scripted_rollout(tokenizer, **options)},
+        )
+
+    plain, other_tail, tail_trained = run("plain"), run("other", trailing="zw"), run("trained", trailing_trained=True)
+    mask = plain.rollouts[0][1]["completion_mask"]
+    assert (mask.sum(1) < plain.rollouts[0][1]["completion_attention_mask"].sum(1)).all()
+    assert_step_matches(plain, 0, reference_step(plain, 0))
+    # Other tool-written tokens at the end: the same step, to the last bit.
+    for name, param in plain.step_weights[1].named_parameters():
+        assert torch.equal(param, dict(other_tail.step_weights[1].named_parameters())[name]), name
+    # The same tokens in the loss: a different step (the check above can fail).
+    assert any(
+        not torch.equal(param, dict(tail_trained.step_weights[1].named_parameters())[name])
+        for name, param in plain.step_weights[1].named_parameters()
+    )
+
+
+def test_rollout_func_extra_fields_reach_reward_functions_and_a_missing_eos_is_truncation(tmp_path, tokenizer):
+    seen = {}
+
+    def reward(completions, note, **kwargs):
+        seen["note"] = note
+        return [0.0] * len(completions)
+
+    def rollout_func(prompts, trainer):
+        result = scripted_rollout(tokenizer, trailing="")(prompts, trainer)
+        result["completion_ids"][0] = result["completion_ids"][0][:2]  # "a" and EOS: ended
+        result["env_mask"][0] = [1, 1]
+        result["completion_ids"][1] = result["completion_ids"][1][:1]  # "a" without EOS: truncated
+        result["env_mask"][1] = [1]
+        return result
+
+    batches = []
+    trainer = TargetPOTrainer(
+        build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128), reward,
+        args=make_config(tmp_path, max_steps=1, mask_truncated_completions=True),
+        train_dataset=Dataset.from_dict({"prompt": ["p1", "p2", "p3", "p4"]}), processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
+    original = trainer._rollout
+    trainer._rollout = lambda rows, mode: batches.append(original(rows, mode)) or batches[-1]
+    trainer.train()
+    assert seen["note"] == [f"sample {index}" for index in range(8)]
+    assert batches[0]["valid"].tolist() == [True, False] + [True] * 6
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r.pop("completion_ids"), "lacks \\['completion_ids'\\]"),
+        (lambda r: r["prompt_ids"].pop(), "'prompt_ids' has 7 entries for 8 prompts"),
+        (lambda r: r["env_mask"][3].append(1), "'env_mask' for sample 3 must have one entry per completion token"),
+        (lambda r: r["env_mask"][2].__setitem__(0, 2), "'env_mask' for sample 2 must hold only 0 and 1"),
+        (lambda r: r["completion_ids"][5].__setitem__(0, 10**6), "'completion_ids' for sample 5 holds ids outside"),
+        (lambda r: r.update(logprobs=[[0.5] * len(ids) for ids in r["completion_ids"]]), "finite log-probabilities"),
+        (lambda r: r.update(loss_mask=r["env_mask"]), "both 'env_mask' and 'loss_mask'"),
+        (lambda r: r.update(completions=["x"] * 8), "extra field\\(s\\) \\['completions'\\]"),
+        (
+            lambda r: (r["completion_ids"][4].extend([5] * 200), r["env_mask"][4].extend([1] * 200)),
+            "sample 4 has .* more than the model's 128 positions",
+        ),
+    ],
+)
+def test_a_bad_rollout_func_result_is_a_clear_error(tmp_path, tokenizer, change, message):
+    def rollout_func(prompts, trainer):
+        result = scripted_rollout(tokenizer)(prompts, trainer)
+        change(result)
+        return result
+
+    trainer = TargetPOTrainer(
+        build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128), ab_score,
+        args=make_config(tmp_path, max_steps=1), train_dataset=Dataset.from_dict({"prompt": ["p1", "p2", "p3", "p4"]}),
+        processing_class=tokenizer, rollout_func=rollout_func,
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
