@@ -208,6 +208,8 @@ class ConversationTemplate:
             raise ValueError(
                 "Tools need a chat template that renders them: the tokenizer has none. Set `tokenizer.chat_template`."
             )
+        self.eos_texts = [tokenizer.convert_ids_to_tokens(int(token)) for token in eos_token_ids]
+        self._check_renders_tools()  # first: finding the response template renders a conversation too
         self.response_template = response_template(tokenizer, model_type, self.template_kwargs)
         if self.response_template is None and schemas:
             raise ValueError(
@@ -215,8 +217,6 @@ class ConversationTemplate:
                 "Set `tokenizer.response_template` to a transformers response template for your chat format (see "
                 "docs/multi_turn.md), or write your own loop with `rollout_func`."
             )
-        self.eos_texts = [tokenizer.convert_ids_to_tokens(int(token)) for token in eos_token_ids]
-        self._check_renders_tools()
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
