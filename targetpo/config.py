@@ -6,12 +6,16 @@ Field names follow the ones GRPO users already know, so that a GRPO script moves
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-LOSS_TYPES = ("tpo", "grpo")
+from .functional import IMPORTANCE_SAMPLING_LEVELS, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
+
+LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
@@ -31,7 +35,9 @@ class GRPOConfig(TrainingArguments):
     )
     remove_unused_columns: bool = field(
         default=False,
-        metadata={"help": "Keep every dataset column: reward functions receive the extra columns as keyword arguments."},
+        metadata={
+            "help": "Keep every dataset column: reward functions receive the extra columns as keyword arguments."
+        },
     )
 
     # --- Model --------------------------------------------------------------------------------------------------
@@ -55,7 +61,9 @@ class GRPOConfig(TrainingArguments):
     )
     steps_per_generation: int | None = field(
         default=None,
-        metadata={"help": "Optimisation micro-steps served by one rollout (default 1). Exclusive with generation_batch_size."},
+        metadata={
+            "help": "Optimisation micro-steps served by one rollout (default 1). Exclusive with generation_batch_size."
+        },
     )
     num_iterations: int = field(
         default=1, metadata={"help": "Times each step batch of a rollout is optimised on (epochs per rollout)."}
@@ -176,11 +184,15 @@ class GRPOConfig(TrainingArguments):
     )
     vllm_enable_sleep_mode: bool = field(
         default=False,
-        metadata={"help": "Colocate mode: free the engine's memory during the optimiser step (where vLLM supports it)."},
+        metadata={
+            "help": "Colocate mode: free the engine's memory during the optimiser step (where vLLM supports it)."
+        },
     )
     vllm_max_model_length: int | None = field(
         default=None,
-        metadata={"help": "Colocate mode: the engine's context length. Defaults to max_prompt_length + max_completion_length."},
+        metadata={
+            "help": "Colocate mode: the engine's context length. Defaults to max_prompt_length + max_completion_length."
+        },
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,
@@ -195,21 +207,81 @@ class GRPOConfig(TrainingArguments):
 
     # --- Loss ---------------------------------------------------------------------------------------------------
     loss_type: str = field(
-        default="grpo",
-        metadata={"help": "The policy loss: 'grpo' (clipped surrogate) or 'tpo' (target cross-entropy).", "choices": LOSS_TYPES},
+        default="dapo",
+        metadata={
+            "help": "The policy loss: 'tpo' (cross-entropy to the target q) or a GRPO-family loss over the same "
+            "rollouts: 'grpo' (clipped surrogate, token mean per sequence), 'dapo' (token sum over the tokens of the "
+            "accumulated batch), 'dr_grpo' (token sum over a constant batch x max_completion_length), 'bnpo' (token "
+            "mean of the local batch), 'cispo' (clipped importance weights on the log-probs), 'sapo' (soft gate), "
+            "'luspo' (length-scaled sequence ratios) or 'vespo' (smooth sequence weights).",
+            "choices": LOSS_TYPES,
+        },
     )
     beta: float = field(
         default=0.0, metadata={"help": "Weight of the KL penalty to the reference model. 0 loads no reference model."}
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the 'grpo' surrogate ratio."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the importance ratio."})
     epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clipping range of the 'grpo' surrogate ratio. Defaults to epsilon."}
+        default=None,
+        metadata={
+            "help": "Upper clipping range of the importance ratio; defaults to epsilon (DAPO recommends 0.28). With "
+            "loss_type='cispo' it is the cap on the importance weights (5.0 is recommended)."
+        },
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Two-sided clipping: also cap the unclipped ratio at delta (> 1 + epsilon_high). None: off. For "
+            "the clipped surrogates ('grpo', 'dapo', 'dr_grpo', 'bnpo', 'luspo')."
+        },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "'token': one importance ratio per token; 'sequence': one per sequence, the exp of the mean token "
+            "log-ratio (GSPO). For the GRPO-family losses; TPO has no ratio.",
+            "choices": IMPORTANCE_SAMPLING_LEVELS,
+        },
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "loss_type='sapo': gate temperature of tokens with a positive advantage."}
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "loss_type='sapo': gate temperature of tokens with a non-positive advantage."}
+    )
+    vespo_k_pos: float = field(
+        default=2.0, metadata={"help": "loss_type='vespo': power k of the weight w^k exp(lambda (1 - w)), A >= 0."}
+    )
+    vespo_lambda_pos: float = field(
+        default=3.0, metadata={"help": "loss_type='vespo': decay lambda of the weight w^k exp(lambda (1 - w)), A >= 0."}
+    )
+    vespo_k_neg: float = field(
+        default=3.0, metadata={"help": "loss_type='vespo': power k of the weight w^k exp(lambda (1 - w)), A < 0."}
+    )
+    vespo_lambda_neg: float = field(
+        default=2.0, metadata={"help": "loss_type='vespo': decay lambda of the weight w^k exp(lambda (1 - w)), A < 0."}
     )
 
-    # --- Rewards ------------------------------------------------------------------------------------------------
+    # --- Rewards and advantages ----------------------------------------------------------------------------------
     reward_weights: list[float] | None = field(
         default=None,
         metadata={"help": "One weight per reward function, in order. Defaults to 1.0 each."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "How group-centred rewards are scaled into advantages (TPO's u): 'group' (or True) by the group's "
+            "std, 'batch' by the std of the whole rollout, 'none' (or False) not at all.",
+        },
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "With several reward functions: 'sum_then_normalize' weights and sums the rewards, then scales "
+            "them by scale_rewards; 'normalize_then_sum' (GDPO) z-scores each reward in its groups, sums them with "
+            "the weights and z-scores the sum over the rollout (scale_rewards is not used).",
+            "choices": MULTI_OBJECTIVE_AGGREGATIONS,
+        },
     )
 
     # --- Logging ------------------------------------------------------------------------------------------------
@@ -228,7 +300,9 @@ class GRPOConfig(TrainingArguments):
                 try:
                     setattr(self, name, json.loads(value))
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"`{name}` must be a dict or a JSON object string, got {value!r}: {error}") from error
+                    raise ValueError(
+                        f"`{name}` must be a dict or a JSON object string, got {value!r}: {error}"
+                    ) from error
         super().__post_init__()
         self._check_rollout_settings()
         self._resolve_batch_layout()
@@ -260,8 +334,7 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}.")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        self._check_loss_settings()
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ValueError(f"num_completions_to_print must be >= 1 or None, got {self.num_completions_to_print}.")
         if self.logps_chunk_size < 0:
@@ -292,6 +365,82 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"generation_kwargs must be a dict, got {type(self.generation_kwargs).__name__}.")
         if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
             raise ValueError(f"model_init_kwargs must be a dict, got {type(self.model_init_kwargs).__name__}.")
+
+    def _check_loss_settings(self) -> None:
+        """The loss and advantage settings: values in range, and a warning for combinations that make no sense."""
+        # Booleans as TRL accepts them, also when they arrive as strings from the command line.
+        scale = self.scale_rewards
+        if isinstance(scale, str):
+            scale = {"true": True, "false": False}.get(scale.lower(), scale)
+        if isinstance(scale, bool):
+            scale = "group" if scale else "none"
+        self.scale_rewards = scale
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} or True/False, got {self.scale_rewards!r}.")
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(
+                f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got "
+                f"{self.multi_objective_aggregation!r}."
+            )
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
+                f"{self.importance_sampling_level!r}."
+            )
+        if not 0 <= self.epsilon < 1:
+            raise ValueError(f"epsilon must be in [0, 1) (the ratio is clipped at 1 - epsilon), got {self.epsilon}.")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ValueError(f"epsilon_high must be >= 0 or None (= epsilon), got {self.epsilon_high}.")
+        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if self.delta is not None and not self.delta > 0:
+            raise ValueError(f"delta must be > 0 or None, got {self.delta}.")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+
+        def warn(message: str) -> None:
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+        loss, level = self.loss_type, self.importance_sampling_level
+        if loss == "tpo" and (level != "token" or self.delta is not None):
+            warn(
+                "importance_sampling_level and delta shape the GRPO-family losses; loss_type='tpo' fits the policy to "
+                "its target q without an importance ratio, so they have no effect."
+            )
+        if loss == "luspo" and level != "sequence":
+            warn(
+                "loss_type='luspo' scales GSPO's sequence ratios: set importance_sampling_level='sequence' as LUSPO does."
+            )
+        if loss == "vespo" and level != "token":
+            warn(
+                "loss_type='vespo' builds its sequence weight from the token ratios itself; importance_sampling_level "
+                "has no effect on it. Leave it at 'token'."
+            )
+        if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            warn(
+                f"With importance_sampling_level='sequence', loss_type='{loss}' sums the sequence's loss over its "
+                "tokens, weighting each sequence by its length rather than optimising GSPO's per-sequence objective. "
+                "For GSPO use loss_type='grpo'."
+            )
+        if self.delta is not None and self.delta <= 1 + epsilon_high:
+            warn(
+                f"delta ({self.delta}) caps the unclipped ratio below the upper clip 1 + epsilon_high "
+                f"({1 + epsilon_high}): two-sided clipping expects delta > 1 + epsilon_high."
+            )
+        if self.delta is not None and loss in ("cispo", "sapo", "vespo"):
+            warn(
+                f"delta caps the clipped surrogates' ratio; loss_type='{loss}' has no such ratio, so delta has no effect."
+            )
+        if loss == "cispo" and self.epsilon_high is None:
+            warn(
+                f"loss_type='cispo' caps the importance weights at epsilon_high, which defaults to epsilon "
+                f"({self.epsilon}): every weight is then below 1. CISPO recommends epsilon_high=5.0."
+            )
 
     def _resolve_batch_layout(self) -> None:
         """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""
@@ -366,7 +515,11 @@ class TargetPOConfig(GRPOConfig):
 
     loss_type: str = field(
         default="tpo",
-        metadata={"help": "The policy loss: 'tpo' (target cross-entropy) or 'grpo' (clipped surrogate baseline).", "choices": LOSS_TYPES},
+        metadata={
+            "help": "The policy loss: 'tpo' (cross-entropy to the target q), or a GRPO-family baseline on the same "
+            "rollouts: 'grpo', 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', 'luspo' or 'vespo' (see GRPOConfig).",
+            "choices": LOSS_TYPES,
+        },
     )
     tpo_target_temperature: float = field(
         default=1.0,

@@ -15,12 +15,23 @@ For one group with scores ``s``, rollout-time sequence log-probs ``l_old`` and c
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "POLICY_GRADIENT_LOSSES",
+    "SCALE_REWARDS",
+    "aggregate_policy_loss",
+    "clip_fractions",
+    "decoupled_advantages",
+    "group_advantages",
     "grpo_loss",
     "informative_groups",
+    "log_importance_ratios",
+    "policy_gradient_loss",
+    "policy_gradient_token_losses",
     "rollout_diagnostics",
     "rows_with_gradient",
     "scale_token_gradients",
@@ -31,7 +42,17 @@ __all__ = [
     "tpo_target_diagnostics",
     "tpo_targets",
     "truncated_importance_weights",
+    "vespo_weights",
 ]
+
+
+#: The clipped or weighted policy-gradient losses, beside TPO's target cross-entropy (``"tpo"``).
+POLICY_GRADIENT_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+#: Losses whose sum over tokens is divided by a token count (``token_count`` in :func:`policy_gradient_loss`).
+TOKEN_NORMALIZED_LOSSES = ("bnpo", "dapo", "cispo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+#: How group-centred scores are scaled into advantages (:func:`group_advantages`).
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def _group(values: torch.Tensor, num_generations: int, name: str) -> torch.Tensor:
@@ -39,7 +60,9 @@ def _group(values: torch.Tensor, num_generations: int, name: str) -> torch.Tenso
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
     if values.dim() != 1:
-        raise ValueError(f"`{name}` must be a 1-D tensor of shape (num_groups * num_generations,), got {tuple(values.shape)}.")
+        raise ValueError(
+            f"`{name}` must be a 1-D tensor of shape (num_groups * num_generations,), got {tuple(values.shape)}."
+        )
     if values.numel() % num_generations != 0:
         raise ValueError(
             f"`{name}` has {values.numel()} entries, which is not a whole number of groups of "
@@ -102,8 +125,9 @@ def rows_with_gradient(
 ) -> torch.Tensor:
     """``(G * K,)`` bool: the completions whose policy-loss gradient can be non-zero; the rest may be left out.
 
-    ``scores`` are the whitened ``u`` (the advantages). For both losses an invalid member never has a gradient. For
-    ``"grpo"`` neither has a member with ``u = 0``: its surrogate is 0 at any ratio. For ``"tpo"``, a group with at
+    ``scores`` are the whitened ``u`` (the advantages). For every loss an invalid member never has a gradient. For
+    the policy-gradient losses (``POLICY_GRADIENT_LOSSES``) neither has a member with ``u = 0``: each multiplies its
+    per-token loss by the advantage, so the row is 0 at any ratio. For ``"tpo"``, a group with at
     most one valid member never does (that member holds all of ``q`` and of the policy's group softmax ``p``), and,
     while the policy is still the one ``p_old`` was computed with (``policy_is_old``: the same weights and no
     dropout), neither does a group whose ``u`` are all 0: its target is ``q = p_old = p``. Such rows contribute
@@ -112,10 +136,10 @@ def rows_with_gradient(
     """
     u = _group(_as_float(scores), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
-    if loss_type == "grpo":
+    if loss_type in POLICY_GRADIENT_LOSSES:
         return (valid & (u != 0)).reshape(-1)
     if loss_type != "tpo":
-        raise ValueError(f"loss_type must be 'tpo' or 'grpo', got {loss_type!r}.")
+        raise ValueError(f"loss_type must be 'tpo' or one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
     live = valid.sum(dim=-1, keepdim=True) >= 2
     if policy_is_old:
         live = live & (valid & (u != 0)).any(dim=-1, keepdim=True)
@@ -131,9 +155,7 @@ def _deviations_from_group_mean(grouped: torch.Tensor, valid: torch.Tensor) -> t
     return count, torch.where(valid, grouped - mean, zero)
 
 
-def tpo_scores(
-    scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None
-) -> torch.Tensor:
+def tpo_scores(scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Whiten scores into ``u`` by a population z-score inside each group, over its valid members only.
 
     A group whose valid scores are all equal, and every invalid member, gets ``u = 0``.
@@ -151,6 +173,74 @@ def tpo_scores(
     std = (scaled.square().sum(dim=-1, keepdim=True) / count).sqrt()
     u = scaled / torch.where(informative, std, torch.ones_like(std))
     return torch.where(valid & informative, u, zero).reshape(-1)
+
+
+def _batch_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The population std of the valid entries of ``values`` (any shape), around their own mean; 0 without two."""
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    count = valid.sum().clamp(min=1)
+    mean = torch.where(valid, values, zero).sum() / count
+    return (torch.where(valid, values - mean, zero).square().sum() / count).sqrt()
+
+
+def group_advantages(
+    scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None, scale: str = "group"
+) -> torch.Tensor:
+    """Scores centred on their group's valid mean, then scaled: the advantages ``u`` of every loss.
+
+    * ``"group"``: divided by the group's population std (:func:`tpo_scores`, the default);
+    * ``"batch"``: divided by the population std of every valid score of the batch (around the batch mean);
+    * ``"none"``: not scaled (``u`` is in the rewards' units).
+
+    A group whose valid scores are all equal, and every invalid member, gets ``u = 0`` exactly.
+    """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} (or True/False), got {scale!r}.")
+    if scale == "group":
+        return tpo_scores(scores, num_generations, valid_mask)
+    grouped = _group(_as_float(scores), num_generations, "scores")
+    valid = _group_valid(valid_mask, scores, num_generations)
+    _require_finite(grouped, valid, "scores")
+    _, deviation = _deviations_from_group_mean(grouped, valid)
+    informative = _informative_groups(grouped, valid).unsqueeze(-1)
+    if scale == "batch":
+        std = _batch_std(grouped, valid)
+        deviation = deviation / torch.where(std > 0, std, torch.ones_like(std))
+    return torch.where(valid & informative, deviation, torch.zeros_like(deviation)).reshape(-1)
+
+
+def decoupled_advantages(
+    scores_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    valid_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages for several rewards, normalised one reward at a time (``multi_objective_aggregation=
+    "normalize_then_sum"``, GDPO).
+
+    Each reward column of ``(N, F)`` ``scores_per_func`` is z-scored in its groups over the samples it scored (NaN: not
+    scored) as in :func:`tpo_scores`; the weighted sum is then z-scored over the whole batch's valid samples (population
+    std; 0 everywhere when it has no spread). Invalid members get 0.
+    """
+    if scores_per_func.dim() != 2 or weights.shape != scores_per_func.shape[1:]:
+        raise ValueError(
+            f"`scores_per_func` must be (N, F) and `weights` (F,), got {tuple(scores_per_func.shape)} and "
+            f"{tuple(weights.shape)}."
+        )
+    scores_per_func = _as_float(scores_per_func)
+    valid = torch.ones(scores_per_func.size(0), dtype=torch.bool, device=scores_per_func.device)
+    if valid_mask is not None:
+        valid = valid_mask.to(device=valid.device, dtype=torch.bool)
+    columns = []
+    for column in scores_per_func.unbind(dim=1):
+        scored = valid & ~torch.isnan(column)
+        columns.append(tpo_scores(torch.nan_to_num(column), num_generations, scored))
+    total = (torch.stack(columns, dim=1) * weights.to(scores_per_func)).sum(dim=1)
+    zero = torch.zeros((), dtype=total.dtype, device=total.device)
+    count = valid.sum().clamp(min=1)
+    centred = torch.where(valid, total - torch.where(valid, total, zero).sum() / count, zero)
+    std = _batch_std(total, valid)
+    return centred / std if std > 0 else torch.zeros_like(centred)
 
 
 def tpo_targets(
@@ -240,6 +330,142 @@ def token_kl(
     return per_token.sum() / mask.sum().clamp(min=1)
 
 
+def log_importance_ratios(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    level: str = "token",
+) -> torch.Tensor:
+    """``log(p / p_old)`` per token ``(B, T)`` (0 where masked), or per sequence ``(B, 1)``: the masked token mean (GSPO)."""
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
+    mask = completion_mask.bool()
+    log_ratio = torch.where(mask, per_token_logps - old_per_token_logps.detach(), torch.zeros_like(per_token_logps))
+    if level == "token":
+        return log_ratio
+    return (log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).unsqueeze(-1)
+
+
+def vespo_weights(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's detached ``(B, 1)`` sequence weights ``phi(w) = exp(lambda * (1 - w)) * w^k``, with ``w`` the product of
+    the sequence's token ratios and ``(k, lambda)`` chosen by the sign of the advantage (``A >= 0``: the positive pair).
+
+    ``phi(1) = 1``: on-policy samples are weighted 1, samples far off-policy in either direction fade to 0. Token log
+    ratios are clipped to ±20 and ``log w`` to ``[log 1e-8, 20]`` so that ``w`` stays finite.
+    """
+    log_w = (log_ratio.detach().clamp(-20.0, 20.0) * completion_mask).sum(dim=-1, keepdim=True)
+    log_w = log_w.clamp(math.log(1e-8), 20.0)
+    positive = advantages.detach().reshape(-1, 1) >= 0
+    k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(positive, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam * (1 - torch.exp(log_w)) + k * log_w)
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def policy_gradient_token_losses(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_parameters: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+) -> torch.Tensor:
+    """The per-token loss of a policy-gradient ``loss_type``: ``(B, T)``, or ``(B, 1)`` with sequence-level ratios.
+
+    With ``r`` the importance ratio (token or sequence, :func:`log_importance_ratios`) and ``A`` the advantage:
+
+    * ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ``luspo``: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``;
+      with ``delta`` the unclipped ``r`` is also capped at ``delta`` (two-sided clipping);
+    * ``cispo``: ``-sg(min(r, eps_high)) A log p``: the clipped ratio is a constant weight on the log-prob;
+    * ``sapo``: ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau`` by the sign of ``A`` (a soft gate, slope 1 at r = 1);
+    * ``vespo``: ``-phi(w) A log p`` with :func:`vespo_weights` (its ratio is always the whole sequence's).
+    """
+    if loss_type not in POLICY_GRADIENT_LOSSES:
+        raise ValueError(f"loss_type must be one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    advantage = advantages.detach().to(per_token_logps.dtype).unsqueeze(-1)
+    if loss_type == "vespo":
+        token_log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, "token")
+        phi = vespo_weights(token_log_ratio, advantages, completion_mask, *vespo_parameters)
+        return -phi * advantage * per_token_logps
+    log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        return -ratio.clamp(max=epsilon_high).detach() * advantage * per_token_logps
+    if loss_type == "sapo":
+        temperature = torch.where(advantage > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
+        return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantage
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    return -torch.minimum(ratio * advantage, clipped * advantage)
+
+
+def aggregate_policy_loss(
+    token_losses: torch.Tensor,
+    completion_mask: torch.Tensor,
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    token_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses ``(B, T)`` or ``(B, 1)`` to the scalar loss of ``loss_type``.
+
+    * ``grpo``, ``sapo``: the token mean of each sequence, averaged over sequences;
+    * ``bnpo``, ``dapo``, ``cispo``, ``vespo``: the sum over every token divided by ``token_count`` (default: the
+      batch's token count); a trainer passes the global token count it wants each token weighted by;
+    * ``dr_grpo``: the sum divided by ``B * max_completion_length``, a constant;
+    * ``luspo``: each sequence's token sum (its mean scaled by its length), averaged over sequences.
+
+    A sequence-level ``(B, 1)`` loss counts once per token of its sequence. A sequence with an empty mask gives 0.
+    """
+    mask = completion_mask.to(token_losses.dtype)
+    per_token = token_losses.expand_as(mask) * mask
+    per_token = torch.where(completion_mask.bool(), per_token, torch.zeros_like(per_token))  # no 0 * inf = NaN
+    if loss_type in ("grpo", "sapo"):
+        return (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).mean()
+    if loss_type in TOKEN_NORMALIZED_LOSSES:
+        count = mask.sum() if token_count is None else token_count
+        return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device).clamp(min=1)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass it.")
+        return per_token.sum() / (per_token.size(0) * max_completion_length)
+    if loss_type == "luspo":
+        return per_token.sum(dim=-1).mean()
+    raise ValueError(f"loss_type must be one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
+
+
+def policy_gradient_loss(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    token_count: float | torch.Tensor | None = None,
+    **settings: Any,
+) -> torch.Tensor:
+    """A GRPO-family loss: :func:`policy_gradient_token_losses` reduced by :func:`aggregate_policy_loss`."""
+    token_losses = policy_gradient_token_losses(
+        per_token_logps, old_per_token_logps, advantages, completion_mask, loss_type, **settings
+    )
+    return aggregate_policy_loss(token_losses, completion_mask, loss_type, max_completion_length, token_count)
+
+
 def grpo_loss(
     per_token_logps: torch.Tensor,
     old_per_token_logps: torch.Tensor,
@@ -248,19 +474,48 @@ def grpo_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
 ) -> torch.Tensor:
-    """The clipped-surrogate policy-gradient loss, token-averaged per sequence and then averaged over sequences.
+    """The clipped-surrogate loss, token-averaged per sequence and then averaged over sequences (``loss_type="grpo"``).
 
     Per token: ``-min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)`` with
     ``ratio = exp(logp - logp_old)``. A sequence with an empty mask contributes 0.
     """
+    return policy_gradient_loss(
+        per_token_logps,
+        old_per_token_logps,
+        advantages,
+        completion_mask,
+        "grpo",
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+    )
+
+
+def clip_fractions(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-token ``(B, T)`` float indicators of where the clipping bites, for the clip-ratio metrics.
+
+    Clipped surrogates: ``low`` (``r < 1 - eps_low`` with ``A < 0``), ``high`` (``r > 1 + eps_high`` with ``A > 0``)
+    and ``region`` (either); ``cispo``: ``high`` where ``r > eps_high`` with ``A > 0``. Other losses: none.
+    """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    mask = completion_mask.bool()
-    log_ratio = torch.where(mask, per_token_logps - old_per_token_logps.detach(), torch.zeros_like(per_token_logps))
-    ratio = torch.exp(log_ratio)
-    advantage = advantages.detach().to(ratio.dtype).unsqueeze(-1)
-    surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantage)
-    per_sequence = sequence_logps(-surrogate, mask, length_normalize=True)
-    return per_sequence.mean()
+    if loss_type not in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo"):
+        return {}
+    log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
+    ratio = torch.exp(log_ratio.detach()).expand_as(per_token_logps)
+    advantage = advantages.detach().reshape(-1, 1)
+    if loss_type == "cispo":
+        return {"high": ((ratio > epsilon_high) & (advantage > 0)).float()}
+    low = (ratio < 1 - epsilon_low) & (advantage < 0)
+    high = (ratio > 1 + epsilon_high) & (advantage > 0)
+    return {"low": low.float(), "high": high.float(), "region": (low | high).float()}
 
 
 def truncated_importance_weights(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 import warnings
@@ -28,7 +29,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from . import functional as F
-from .config import TargetPOConfig
+from .config import GRPOConfig, TargetPOConfig
 from .data import (
     ROLLOUT_USE,
     UPCOMING_ROW,
@@ -104,7 +105,9 @@ def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrain
             "model_init_kwargs only applies when `model` is an id or path; the model passed is already built."
         )
     if not isinstance(model, (PreTrainedModel, nn.Module)) or not hasattr(model, "generate"):
-        raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel for causal LM, got {type(model).__name__}.")
+        raise TypeError(
+            f"`model` must be a model id, a path or a PreTrainedModel for causal LM, got {type(model).__name__}."
+        )
     return model
 
 
@@ -154,11 +157,12 @@ class TargetPOTrainer(Trainer):
         if args is None:
             name = model if isinstance(model, str) else model_identifier(model) or "model"
             args = TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
+        if isinstance(args, GRPOConfig) and not isinstance(args, TargetPOConfig):
+            # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
+            # trains the GRPO-family loss it names on this trainer's rollouts.
+            args = TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
         if not isinstance(args, TargetPOConfig):
-            raise TypeError(
-                f"`args` must be a TargetPOConfig, got {type(args).__name__}. For the clipped-surrogate baseline use "
-                "TargetPOConfig(loss_type='grpo')."
-            )
+            raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")
         if isinstance(eval_dataset, dict):
             raise ValueError("A dict of evaluation datasets is not supported: pass one dataset as `eval_dataset`.")
         if args.auto_find_batch_size:
@@ -177,13 +181,19 @@ class TargetPOTrainer(Trainer):
         self._toolbox = Toolbox(self.tools)  # the tools of every sample, when there is no environment
         self._async_runner = AsyncRunner()  # async tools and rewards; its thread starts on first use
         self._environments = (
-            EnvironmentPool(environment_factory, self.tools, self._async_runner) if environment_factory is not None else None
+            EnvironmentPool(environment_factory, self.tools, self._async_runner)
+            if environment_factory is not None
+            else None
         )
         reward_weights = args.reward_weights
         if self._environments is not None and self._environments.reward is not None:
-            reward_funcs, reward_weights = with_environment_reward(reward_funcs, reward_weights, self._environments.reward)
+            reward_funcs, reward_weights = with_environment_reward(
+                reward_funcs, reward_weights, self._environments.reward
+            )
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
-        self.reward_scorer = RewardScorer(reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs)
+        self.reward_scorer = RewardScorer(
+            reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs
+        )
         policy = _load_policy(model, args)
         tokenizer = load_tokenizer(policy, processing_class)
         validate_prompt_dataset(train_dataset, "train", tokenizer)
@@ -264,6 +274,15 @@ class TargetPOTrainer(Trainer):
         self._rollout_backend: RolloutBackend | None = None  # the one rollouts use
         self._built_rollout_backend: RolloutBackend | None = None  # the one this trainer built, and closes
         self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
+        self._policy_gradient_settings = {
+            "importance_sampling_level": args.importance_sampling_level,
+            "epsilon_low": args.epsilon,
+            "epsilon_high": args.epsilon_high,
+            "delta": args.delta,
+            "sapo_temperature_pos": args.sapo_temperature_pos,
+            "sapo_temperature_neg": args.sapo_temperature_neg,
+            "vespo_parameters": (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+        }
         self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
         if self._importance_sampling and self.sampling.reshapes_distribution:
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
@@ -486,7 +505,7 @@ class TargetPOTrainer(Trainer):
         scores_per_func_all = self.accelerator.gather(scores_per_func)
         valid_all = self.accelerator.gather(valid)
         scores_all = self._combine_rewards(scores_per_func_all)
-        advantages_all = F.tpo_scores(scores_all, args.num_generations, valid_all)
+        advantages_all = self._advantages(scores_per_func_all, scores_all, valid_all)
 
         batch: Batch = {
             "prompt_ids": prompt_ids,
@@ -501,6 +520,13 @@ class TargetPOTrainer(Trainer):
         }
         if completions.sampler_logps is not None:
             batch["sampler_per_token_logps"] = completions.sampler_logps
+        if args.loss_type in F.TOKEN_NORMALIZED_LOSSES:
+            # Each token is weighted by 1 / (the tokens of one optimiser step's accumulated batch, over every process),
+            # taken as the rollout's mean: exact when one optimiser step spans the rollout. The Trainer divides by the
+            # accumulation steps and DDP averages over processes, so one micro-step divides by its share.
+            tokens = self.accelerator.gather(completion_mask.sum()).sum().item()
+            steps = args.steps_per_generation if mode == "train" else 1
+            batch["loss_token_count"] = tokens / (steps * self.accelerator.num_processes)
         if mode == "train" and args.skip_zero_gradient_completions and args.beta == 0:
             # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
             # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
@@ -509,7 +535,9 @@ class TargetPOTrainer(Trainer):
                 ("rows_with_gradient", False),
                 ("rows_with_gradient_at_rollout", args.disable_dropout),
             ):
-                signal = F.rows_with_gradient(advantages_all, args.num_generations, valid_all, args.loss_type, policy_is_old)
+                signal = F.rows_with_gradient(
+                    advantages_all, args.num_generations, valid_all, args.loss_type, policy_is_old
+                )
                 batch[key] = signal[local]
         needs_old_logps = mode == "train" and self._needs_old_logps
         if needs_old_logps or args.beta > 0:
@@ -680,7 +708,9 @@ class TargetPOTrainer(Trainer):
         return prompt_ids, prompt_mask
 
     def _render_prompts(self, prompts: list[Any]) -> list[str]:
-        return render_prompts(prompts, self.processing_class, self._tool_schemas, **(self.args.chat_template_kwargs or {}))
+        return render_prompts(
+            prompts, self.processing_class, self._tool_schemas, **(self.args.chat_template_kwargs or {})
+        )
 
     def _generation_model(self):
         """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
@@ -726,6 +756,16 @@ class TargetPOTrainer(Trainer):
             self._warned_unscored = True
         weights = self.reward_scorer.weights.to(scores_per_func.device)
         return (scores_per_func * weights).nansum(dim=1)
+
+    def _advantages(
+        self, scores_per_func_all: torch.Tensor, scores_all: torch.Tensor, valid_all: torch.Tensor
+    ) -> torch.Tensor:
+        """The rollout's advantages ``u``, as ``scale_rewards`` and ``multi_objective_aggregation`` say."""
+        args = self.args
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            weights = self.reward_scorer.weights.to(scores_per_func_all.device)
+            return F.decoupled_advantages(scores_per_func_all, weights, args.num_generations, valid_all)
+        return F.group_advantages(scores_all, args.num_generations, valid_all, args.scale_rewards)
 
     def _local_slice(self, local_size: int) -> slice:
         start = self.accelerator.process_index * local_size
@@ -817,8 +857,7 @@ class TargetPOTrainer(Trainer):
         if args.loss_type == "tpo":
             loss = self._target_loss(policy_logps, inputs, mask, valid, mode)
         else:
-            old = inputs.get("old_per_token_logps", per_token_logps.detach())
-            loss = F.grpo_loss(policy_logps, old, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
+            loss = self._policy_gradient_loss(policy_logps, inputs, mask, mode)
         if args.beta > 0:
             kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask)
             loss = loss + args.beta * kl
@@ -878,6 +917,58 @@ class TargetPOTrainer(Trainer):
         else:
             targets_all = gather(inputs["targets"])
         return F.tpo_loss(sequence_logps_all, targets_all, args.num_generations, valid_all)
+
+    def _policy_gradient_loss(self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor, mode: str):
+        """A GRPO-family loss (``F.policy_gradient_loss``) of the step batch, and where its clipping bites."""
+        args = self.args
+        old = inputs.get("old_per_token_logps", per_token_logps.detach())
+        if args.loss_type == "bnpo":
+            token_count = inputs["completion_mask"].sum()  # the local batch's, rows left out of this pass included
+        else:
+            token_count = inputs.get("loss_token_count")  # dapo, cispo, vespo: fixed at rollout; others: unused
+        loss = F.policy_gradient_loss(
+            per_token_logps,
+            old,
+            inputs["advantages"],
+            mask,
+            args.loss_type,
+            max_completion_length=args.max_completion_length,
+            token_count=token_count,
+            **self._policy_gradient_settings,
+        )
+        fractions = F.clip_fractions(
+            per_token_logps.detach(),
+            old,
+            inputs["advantages"],
+            mask,
+            args.loss_type,
+            args.importance_sampling_level,
+            args.epsilon,
+            args.epsilon_high,
+        )
+        if args.loss_type == "cispo":
+            self._log_token_mean(mode, "cispo_clip_ratio", fractions["high"], mask)
+        else:
+            for name, clipped in fractions.items():
+                self._log_token_mean(mode, f"clip_ratio/{name}_mean", clipped, mask)
+            # The most clipped sequence in each direction, as a fraction of its tokens.
+            for name, extreme in (("low", "min"), ("high", "max")):
+                self._log_sequence_extreme(mode, f"clip_ratio/{name}_{extreme}", fractions.get(name), mask, extreme)
+        return loss
+
+    def _log_sequence_extreme(
+        self, mode: str, name: str, values: torch.Tensor | None, mask: torch.Tensor, extreme: str
+    ) -> None:
+        """The min or max over every process's sequences (with a token in ``mask``) of their token mean."""
+        if values is None:
+            return
+        counts = mask.sum(dim=-1)
+        means = (values * mask).sum(dim=-1) / counts.clamp(min=1)
+        means = torch.where(counts > 0, means, torch.full_like(means, math.nan))
+        means = self.accelerator.gather(means)
+        means = means[~torch.isnan(means)]
+        if means.numel() > 0:
+            self._metrics[mode][name].append((means.min() if extreme == "min" else means.max()).item())
 
     def _importance_weights(self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor) -> torch.Tensor:
         """Truncated token weights ``min(p_trainer / p_vllm, cap)`` of a step batch, computed once and kept.
@@ -1018,7 +1109,10 @@ def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
     steps = []
     for start in range(0, total, rows_per_step):
         steps.append(
-            {key: value[start : start + rows_per_step] if torch.is_tensor(value) else value for key, value in batch.items()}
+            {
+                key: value[start : start + rows_per_step] if torch.is_tensor(value) else value
+                for key, value in batch.items()
+            }
         )
     return steps
 

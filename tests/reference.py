@@ -5,6 +5,8 @@ the losses and the metrics are written out directly, so a test comparing the tra
 independent computations.
 """
 
+import math
+
 import torch
 
 
@@ -86,3 +88,59 @@ def kl(per_token, ref_per_token, mask):
     """Token mean of exp(r) - r - 1, r = logp_ref - logp, over the completion tokens."""
     r = torch.where(mask.bool(), ref_per_token - per_token, torch.zeros_like(per_token))
     return ((torch.exp(r) - r - 1) * mask).sum() / mask.sum()
+
+
+CLIPPED_SURROGATES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")
+
+
+def policy_gradient_loss(args, per_token, old_per_token, u, mask, token_count=None):
+    """The GRPO-family loss ``args.loss_type`` with ``args``' settings, written out one completion at a time.
+
+    Token losses: clipped surrogates -min(r A, clip(r) A) (r capped at delta first, if set); cispo
+    -sg(min(r, epsilon_high)) A log p; sapo -sigmoid(tau (r - 1)) 4 / tau A; vespo -phi(w) A log p with w the product
+    of the token ratios and phi(w) = w^k exp(lambda (1 - w)). r is per token, or the exp of the mean log-ratio with
+    importance_sampling_level="sequence". Reductions: grpo/sapo token mean per completion then mean; bnpo all tokens'
+    mean; dapo/cispo/vespo the sum over ``token_count``; dr_grpo the sum over rows * max_completion_length; luspo the
+    mean over completions of their token sums.
+    """
+    loss_type = args.loss_type
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    sums, counts = [], []
+    for i in range(len(u)):
+        on = mask[i].bool()
+        logp, old, advantage = per_token[i][on], old_per_token[i][on].detach(), float(u[i])
+        counts.append(int(on.sum()))
+        if counts[-1] == 0:
+            sums.append(per_token.sum() * 0)
+            continue
+        if args.importance_sampling_level == "sequence":
+            ratio = torch.exp((logp - old).mean()).expand(counts[-1])
+        else:
+            ratio = torch.exp(logp - old)
+        if loss_type in CLIPPED_SURROGATES:
+            unclipped = ratio if args.delta is None else ratio.clamp(max=args.delta)
+            token = -torch.minimum(unclipped * advantage, ratio.clamp(1 - args.epsilon, 1 + epsilon_high) * advantage)
+        elif loss_type == "cispo":
+            token = -ratio.detach().clamp(max=epsilon_high) * advantage * logp
+        elif loss_type == "sapo":
+            tau = args.sapo_temperature_pos if advantage > 0 else args.sapo_temperature_neg
+            token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantage
+        elif loss_type == "vespo":
+            w = torch.exp((logp - old).sum()).item()
+            k, lam = (
+                (args.vespo_k_pos, args.vespo_lambda_pos) if advantage >= 0 else (args.vespo_k_neg, args.vespo_lambda_neg)
+            )
+            token = -(w**k) * math.exp(lam * (1 - w)) * advantage * logp
+        else:
+            raise ValueError(loss_type)
+        sums.append(token.sum())
+    total = torch.stack(sums).sum()
+    if loss_type in ("grpo", "sapo"):
+        return torch.stack([s / max(n, 1) for s, n in zip(sums, counts)]).mean()
+    if loss_type == "bnpo":
+        return total / max(sum(counts), 1)
+    if loss_type in ("dapo", "cispo", "vespo"):
+        return total / token_count
+    if loss_type == "dr_grpo":
+        return total / (len(u) * args.max_completion_length)
+    return total / len(u)  # luspo

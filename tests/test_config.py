@@ -20,7 +20,7 @@ def test_defaults_suit_rl(tmp_path):
     assert args.generation_batch_size == args.per_device_train_batch_size == 8
     assert args.num_generations == 8 and args.num_iterations == 1 and args.beta == 0.0
     assert args.learning_rate == 1e-6
-    assert GRPOConfig(output_dir=str(tmp_path), report_to="none").loss_type == "grpo"
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none").loss_type == "dapo"  # as TRL
 
 
 def test_generation_batch_size_and_steps_per_generation_derive_each_other(tmp_path):
@@ -56,6 +56,15 @@ def test_generation_batch_size_and_steps_per_generation_derive_each_other(tmp_pa
         (dict(generation_kwargs="{not json"), "generation_kwargs` must be a dict or a JSON object"),
         (dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=6, num_generations=4), "Evaluation batches"),
         (dict(num_completions_to_print=0), "num_completions_to_print must be >= 1"),
+        (dict(scale_rewards="global"), "scale_rewards must be one of"),
+        (dict(multi_objective_aggregation="mean"), "multi_objective_aggregation must be one of"),
+        (dict(importance_sampling_level="group"), "importance_sampling_level must be one of"),
+        (dict(epsilon=1.0), "epsilon must be in \\[0, 1\\)"),
+        (dict(epsilon_high=-0.1), "epsilon_high must be >= 0"),
+        (dict(delta=0.0), "delta must be > 0"),
+        (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
+        (dict(vespo_lambda_pos=-1.0), "vespo_lambda_pos must be > 0"),
+        (dict(vespo_k_neg=-1.0), "vespo_k_neg must be >= 0"),
     ],
 )
 def test_bad_settings_are_refused_with_a_message(tmp_path, kwargs, message):
@@ -111,3 +120,34 @@ def test_command_line_parsing(tmp_path):
     assert args.generation_batch_size == 16 and args.loss_type == "grpo"
     with pytest.raises(SystemExit):
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--loss_type", "dpo"])
+
+
+@pytest.mark.parametrize("given, meaning", [(True, "group"), (False, "none"), ("True", "group"), ("false", "none"),
+                                            ("batch", "batch"), ("none", "none")])
+def test_scale_rewards_takes_booleans_as_group_and_none(tmp_path, given, meaning):
+    assert config(tmp_path, scale_rewards=given).scale_rewards == meaning
+
+
+@pytest.mark.parametrize(
+    "kwargs, warning",
+    [
+        (dict(loss_type="luspo"), "set importance_sampling_level='sequence'"),
+        (dict(loss_type="vespo", importance_sampling_level="sequence"), "has no effect on it"),
+        (dict(loss_type="dapo", importance_sampling_level="sequence"), "weighting each sequence by its length"),
+        (dict(loss_type="tpo", importance_sampling_level="sequence"), "they have no effect"),
+        (dict(loss_type="tpo", delta=2.0), "they have no effect"),
+        (dict(loss_type="sapo", delta=2.0), "so delta has no effect"),
+        (dict(loss_type="grpo", delta=1.1), "expects delta > 1 \\+ epsilon_high"),
+        (dict(loss_type="cispo"), "recommends epsilon_high=5.0"),
+    ],
+)
+def test_incoherent_loss_settings_warn(tmp_path, kwargs, warning):
+    with pytest.warns(UserWarning, match=warning):
+        config(tmp_path, **kwargs)
+
+
+def test_coherent_loss_settings_do_not_warn(tmp_path, recwarn):
+    for kwargs in (dict(loss_type="luspo", importance_sampling_level="sequence"), dict(loss_type="cispo", epsilon_high=5.0),
+                   dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5), dict(loss_type="tpo")):
+        config(tmp_path, **kwargs)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning) and "loss" in str(w.message)]

@@ -120,9 +120,10 @@ def trained_groups(u, valid, num_generations, at_rollout_weights):
     return groups
 
 
-def reference_step(run, step, reference_model=None, loss_type="tpo"):
+def reference_step(run, step, reference_model=None):
     """The loss, gradient (by parameter name) and metrics of optimiser step ``step``, built by hand."""
     args = run.trainer.args
+    loss_type = args.loss_type
     K = args.num_generations
     model = copy.deepcopy(run.step_weights[step]).train()
     model.zero_grad()
@@ -148,8 +149,13 @@ def reference_step(run, step, reference_model=None, loss_type="tpo"):
             # The logged loss leaves out the skipped groups' constant cross-entropy (0 gradient either way).
             logged_loss = ref.tpo_loss(sequence, q, valid, K, counted_groups=trained).item()
         else:
-            loss, fraction = ref.grpo_loss(logps, old, u, mask, args.epsilon)
-            clipped.append(fraction.item())
+            # dapo, cispo, vespo: each token weighs 1 / (the rollout's tokens / steps_per_generation), the documented
+            # tokens of one optimiser step's accumulated batch; the micro-step's loss is then divided by the
+            # accumulation steps like every other loss.
+            token_count = tensors["completion_mask"].sum().item() / args.steps_per_generation
+            loss = ref.policy_gradient_loss(args, logps, old, u, mask, token_count)
+            if loss_type == "grpo" and args.importance_sampling_level == "token":
+                clipped.append(ref.grpo_loss(logps, old, u, mask, args.epsilon)[1].item())
             logged_loss = loss.item()
         if args.beta > 0:
             with torch.no_grad():
@@ -307,11 +313,48 @@ def test_grpo_steps_use_the_rollout_log_probs_and_clip(tmp_path, tokenizer, monk
         tmp_path, tokenizer, monkeypatch, loss_type="grpo", num_iterations=2, max_steps=2, learning_rate=20.0,
         epsilon=0.05, generation_kwargs=few_letters(tokenizer),
     )
-    first, second = reference_step(run, 0, loss_type="grpo"), reference_step(run, 1, loss_type="grpo")
+    first, second = reference_step(run, 0), reference_step(run, 1)
     assert first["clipped"] == [0.0]  # at the rollout's weights every ratio is 1
     assert second["clipped"][0] > 0.05, "the second epoch must clip some tokens for this test to mean anything"
     assert_step_matches(run, 0, first)
     assert_step_matches(run, 1, second)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # One optimiser step (2 accumulated micro-steps) spans each rollout: dapo's tokens are exactly its tokens.
+        dict(loss_type="dapo", steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2, max_steps=2),
+        # A rollout serves two optimiser steps: each divides by half the rollout's tokens.
+        dict(loss_type="dapo", steps_per_generation=2, num_iterations=2, max_steps=4),
+        # Few distinct scores: members at their group's mean (u = 0) are left out, and bnpo still counts their tokens.
+        dict(loss_type="bnpo", num_iterations=2, epsilon_high=0.1, score=lambda texts: [float(t.count("c") % 2) for t in texts]),
+        dict(loss_type="dr_grpo", num_iterations=2, delta=1.06),  # two-sided clipping
+        dict(loss_type="cispo", num_iterations=2, epsilon_high=1.02),
+        dict(loss_type="sapo", num_iterations=2, sapo_temperature_neg=2.0),
+        dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence"),
+        dict(loss_type="vespo", num_iterations=2),
+        dict(loss_type="grpo", num_iterations=2, importance_sampling_level="sequence"),  # GSPO
+    ],
+    ids=["dapo-step-spans-rollout", "dapo-rollout-spans-steps", "bnpo", "dr_grpo-two-sided", "cispo", "sapo", "luspo", "vespo",
+         "gspo"],
+)
+def test_each_grpo_family_step_is_minus_lr_times_the_hand_built_gradient(tmp_path, tokenizer, monkeypatch, settings):
+    """Every loss on real rollouts, off-policy from the second epoch on, against ``reference.policy_gradient_loss``;
+    rows the trainer leaves out (u = 0) must change nothing."""
+    settings = {"learning_rate": 5.0, "epsilon": 0.05, "generation_kwargs": few_letters(tokenizer), **settings}
+    run = train_and_record(tmp_path, tokenizer, monkeypatch, **settings)
+    if settings["loss_type"] == "bnpo":
+        assert any(logged(run, step, "completions/skipped_fraction") > 0 for step in range(2)), "rows must be left out"
+    for step in range(run.trainer.state.global_step):
+        expected = reference_step(run, step)
+        assert_step_matches(run, step, expected)
+        expected_loss = sum(expected["loss"]) / len(expected["loss"])
+        assert logged(run, step, "loss") == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+    # The later steps are off-policy enough for the clipping to bite (where the loss clips).
+    clip_metric = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(settings["loss_type"], "clip_ratio/region_mean")
+    if clip_metric is not None:
+        assert max(logged(run, step, clip_metric) for step in range(1, run.trainer.state.global_step)) > 0.05
 
 
 def test_logged_metrics_match_their_definitions(tmp_path, tokenizer, monkeypatch):
