@@ -118,7 +118,7 @@ class GRPOConfig(TrainingArguments):
             "zero: invalid ones, groups with fewer than two valid members, (GRPO) zero advantages and (TPO) groups "
             "whose scores are all equal while the weights are still those of the rollout (with disable_dropout). The "
             "gradient is unchanged up to rounding; the logged loss then leaves out those groups' constant terms. Only "
-            "with beta=0 (the KL term has a gradient on every completion)."
+            "with beta=0, no entropy bonus and top_entropy_quantile=1 (those terms reach every completion)."
         },
     )
     ds3_gather_for_generation: bool = field(
@@ -262,6 +262,50 @@ class GRPOConfig(TrainingArguments):
         default=2.0, metadata={"help": "loss_type='vespo': decay lambda of the weight w^k exp(lambda (1 - w)), A < 0."}
     )
 
+    # --- Regularisers and filters ------------------------------------------------------------------------------
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of an entropy bonus: the loss minus entropy_coef x the mean token entropy of the policy "
+            "(over the tokens the policy loss uses). 0: none. With use_adaptive_entropy, the starting coefficient."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Adapt entropy_coef after each optimiser step: up by entropy_coef_delta while the step's mean "
+            "entropy is at or below entropy_target, down otherwise (within [entropy_coef_min, entropy_coef_max]); the "
+            "bonus applies only while the last step's entropy was at or below the target."
+        },
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy: lowest coefficient."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy: highest coefficient."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy: change per optimiser step."})
+    entropy_target: float = field(
+        default=0.2, metadata={"help": "Adaptive entropy: the mean token entropy (nats) below which the bonus acts."}
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Train only on the completion tokens whose entropy is in this top fraction of the step's tokens "
+            "(over every process): 0.2 keeps the 20% most uncertain tokens, 1.0 keeps all."
+        },
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Leave out of the policy loss each completion with a negative advantage whose mean token KL from "
+            "the policy that sampled it exceeds this threshold (e.g. 0.5). None: off."
+        },
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "Multiply each token's KL estimate by its importance ratio p / p_old, which makes the KL to the "
+            "reference unbiased for the current policy when samples come from an older one (beta > 0)."
+        },
+    )
+
     # --- Rewards and advantages ----------------------------------------------------------------------------------
     reward_weights: list[float] | None = field(
         default=None,
@@ -399,6 +443,16 @@ class GRPOConfig(TrainingArguments):
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ValueError(f"off_policy_mask_threshold must be > 0 or None, got {self.off_policy_mask_threshold}.")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."
+            )
+        if self.entropy_coef_delta < 0:
+            raise ValueError(f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}.")
         for name in ("vespo_k_pos", "vespo_k_neg"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
@@ -436,6 +490,8 @@ class GRPOConfig(TrainingArguments):
             warn(
                 f"delta caps the clipped surrogates' ratio; loss_type='{loss}' has no such ratio, so delta has no effect."
             )
+        if self.use_bias_correction_kl and self.beta == 0:
+            warn("use_bias_correction_kl corrects the KL term, which beta=0 switches off: it has no effect.")
         if loss == "cispo" and self.epsilon_high is None:
             warn(
                 f"loss_type='cispo' caps the importance weights at epsilon_high, which defaults to epsilon "

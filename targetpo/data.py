@@ -10,6 +10,10 @@ import torch
 from torch.utils.data import Sampler
 
 
+#: Dataset columns that carry images (or other media) for vision-language prompts.
+MEDIA_COLUMNS = frozenset({"image", "images", "video", "videos", "audio"})
+
+
 def is_conversational(example: dict[str, Any]) -> bool:
     """True when the example's prompt is a list of chat messages (dicts with 'role' and 'content')."""
     prompt = example.get("prompt")
@@ -38,6 +42,13 @@ def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
             f"The {split} dataset has no 'prompt' column (found {columns}). Prompt-only datasets need a 'prompt' column "
             "holding either a string or a list of chat messages; rename yours with "
             "`dataset.rename_column('question', 'prompt')`."
+        )
+    media = sorted(MEDIA_COLUMNS & set(first))
+    if media:
+        raise ValueError(
+            f"The {split} dataset has the column(s) {media}: prompts with images are not supported yet (vision-language "
+            "models), and training would silently see the text alone. To train on the text on purpose, drop them "
+            f"with `dataset.remove_columns({media})`."
         )
     first_is_text = None
     for index, prompt in enumerate(_prompts(dataset, split)):
@@ -104,9 +115,17 @@ def prompt_problem(prompt: Any) -> tuple[str, str] | None:
                 "each message is a dict like `{'role': 'user', 'content': 'Hi'}`.",
             )
         content = message["content"]
-        if not isinstance(content, (str, list)):  # a list holds multimodal content parts
+        if not isinstance(content, (str, list)):  # a list holds content parts
             problem = f"has message {position} whose content is {type(content).__name__}, not a string or a list"
             return problem, "give every message a text (or a list of content parts), or drop such rows."
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            if kind != "text":
+                return (
+                    f"has message {position} with a content part of type {kind or type(part).__name__!r}",
+                    "only text parts are supported (vision-language prompts are not supported yet, and other parts "
+                    "would be dropped silently): keep the `{'type': 'text', 'text': ...}` parts.",
+                )
     return None
 
 

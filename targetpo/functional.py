@@ -28,8 +28,10 @@ __all__ = [
     "decoupled_advantages",
     "group_advantages",
     "grpo_loss",
+    "high_entropy_mask",
     "informative_groups",
     "log_importance_ratios",
+    "off_policy_sequence_mask",
     "policy_gradient_loss",
     "policy_gradient_token_losses",
     "rollout_diagnostics",
@@ -321,13 +323,59 @@ def tpo_loss(
 
 
 def token_kl(
-    per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor, completion_mask: torch.Tensor
+    per_token_logps: torch.Tensor,
+    ref_per_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    importance_ratios: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The non-negative KL estimate ``exp(r) - r - 1``, ``r = logp_ref - logp``, averaged over completion tokens."""
+    """The non-negative KL estimate ``exp(r) - r - 1``, ``r = logp_ref - logp``, averaged over completion tokens.
+
+    With ``importance_ratios`` (``p / p_old`` per token or per sequence) each token's estimate is multiplied by its
+    ratio: the estimate is then unbiased for the current policy although the tokens were sampled from the old one.
+    """
     mask = completion_mask.bool()
     log_ratio = torch.where(mask, ref_per_token_logps - per_token_logps, torch.zeros_like(per_token_logps))
     per_token = torch.exp(log_ratio) - log_ratio - 1
+    if importance_ratios is not None:
+        per_token = torch.where(mask, per_token * importance_ratios, torch.zeros_like(per_token))
     return per_token.sum() / mask.sum().clamp(min=1)
+
+
+def high_entropy_mask(
+    entropies: torch.Tensor,
+    completion_mask: torch.Tensor,
+    top_quantile: float,
+    pool: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(B, T)`` bool: the completion tokens among the ``top_quantile`` fraction with the highest entropy.
+
+    The cut is the ``1 - top_quantile`` quantile of ``pool`` (1-D: the entropies to rank against, e.g. every process's
+    completion tokens; default: this batch's). ``top_quantile = 1`` keeps every token, ``0`` only the highest ones.
+    """
+    mask = completion_mask.bool()
+    pool = entropies.detach()[mask] if pool is None else pool.detach()
+    if pool.numel() == 0:
+        return torch.zeros_like(mask)
+    cut = torch.quantile(_as_float(pool), 1 - top_quantile)
+    return mask & (entropies.detach() >= cut)
+
+
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    per_token_logps: torch.Tensor,
+    sampler_per_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """``(B, 1)`` float: 0 for a completion with a negative advantage whose mean token KL from the sampling policy,
+    ``mean(log p_sampler - log p)``, exceeds ``threshold`` (it is too far off-policy to push down); 1 otherwise."""
+    mask = completion_mask.bool()
+    divergence = torch.where(
+        mask, sampler_per_token_logps - per_token_logps.detach(), torch.zeros_like(per_token_logps)
+    )
+    mean_divergence = divergence.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    keep = (advantages.detach().reshape(-1, 1) >= 0) | (mean_divergence <= threshold)
+    return keep.to(per_token_logps.dtype)
 
 
 def log_importance_ratios(
@@ -421,8 +469,12 @@ def aggregate_policy_loss(
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
     token_count: float | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses ``(B, T)`` or ``(B, 1)`` to the scalar loss of ``loss_type``.
+
+    ``token_weights`` (``(B, T)`` or ``(B, 1)``, constants) multiply the token losses first, leaving every normaliser
+    as it is: a weight of 0 drops a token's loss (an entropy or off-policy mask) without changing the others' weight.
 
     * ``grpo``, ``sapo``: the token mean of each sequence, averaged over sequences;
     * ``bnpo``, ``dapo``, ``cispo``, ``vespo``: the sum over every token divided by ``token_count`` (default: the
@@ -433,6 +485,8 @@ def aggregate_policy_loss(
     A sequence-level ``(B, 1)`` loss counts once per token of its sequence. A sequence with an empty mask gives 0.
     """
     mask = completion_mask.to(token_losses.dtype)
+    if token_weights is not None:
+        token_losses = token_losses * token_weights.detach().to(token_losses.dtype)
     per_token = token_losses.expand_as(mask) * mask
     per_token = torch.where(completion_mask.bool(), per_token, torch.zeros_like(per_token))  # no 0 * inf = NaN
     if loss_type in ("grpo", "sapo"):
@@ -457,13 +511,16 @@ def policy_gradient_loss(
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
     token_count: float | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
     **settings: Any,
 ) -> torch.Tensor:
     """A GRPO-family loss: :func:`policy_gradient_token_losses` reduced by :func:`aggregate_policy_loss`."""
     token_losses = policy_gradient_token_losses(
         per_token_logps, old_per_token_logps, advantages, completion_mask, loss_type, **settings
     )
-    return aggregate_policy_loss(token_losses, completion_mask, loss_type, max_completion_length, token_count)
+    return aggregate_policy_loss(
+        token_losses, completion_mask, loss_type, max_completion_length, token_count, token_weights
+    )
 
 
 def grpo_loss(

@@ -172,14 +172,20 @@ def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, chunk_r
     return torch.cat(out)
 
 
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
-    """Per-position entropy of ``softmax(logits)``, a few rows at a time (a metric: no gradient)."""
-    out = []
-    for rows in logits.split(chunk_rows):
-        probs = torch.softmax(rows.float(), dim=-1)
-        out.append(torch.special.entr(probs).sum(-1))  # entr(0) = 0: suppressed (-inf) tokens add nothing
-    return torch.cat(out)
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of ``softmax(logits)``, differentiable also where logits are -inf (suppressed tokens).
+
+    Written out rather than ``torch.special.entr``, whose gradient at a zero probability is NaN.
+    """
+    log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    probs = log_probs.exp()
+    return -(probs * torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))).sum(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4, differentiable: bool = False) -> torch.Tensor:
+    """Per-position entropy of ``softmax(logits)``, a few rows at a time; without gradient unless ``differentiable``."""
+    with contextlib.nullcontext() if differentiable else torch.no_grad():
+        return torch.cat([token_entropy(rows) for rows in logits.split(chunk_rows)])
 
 
 #: Config attributes that change logits after the output head; models with them take the full-logits path.
@@ -200,9 +206,7 @@ def supports_chunked_head(model: nn.Module) -> bool:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
     if text_config is not None:
         configs[id(text_config)] = text_config  # composite models keep the language model's settings here
-    return all(
-        getattr(each, name, None) in (None, 1, 1.0) for each in configs.values() for name in _LOGIT_TRANSFORMS
-    )
+    return all(getattr(each, name, None) in (None, 1, 1.0) for each in configs.values() for name in _LOGIT_TRANSFORMS)
 
 
 #: Earlier releases scale every token's gradient by one token's upstream gradient under ``reduction="none"``.
@@ -250,6 +254,7 @@ def _head_logps_and_entropy(
     temperature: float,
     suppressed_token_ids: torch.Tensor | None,
     with_entropy: bool = True,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropies of a chunk of positions: ``(N, H)`` hidden states -> two ``(N,)``."""
     logits = head(hidden).float()
@@ -260,8 +265,8 @@ def _head_logps_and_entropy(
     logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     if not with_entropy:
         return logps, torch.zeros_like(logps)
-    with torch.no_grad():  # a metric
-        entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():  # a metric, unless an entropy bonus trains
+        entropy = token_entropy(logits)
     return logps, entropy
 
 
@@ -289,6 +294,7 @@ def _head_in_chunks(
     suppressed_token_ids: torch.Tensor | None,
     chunk_size: int,
     with_entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of ``(N, H)`` hidden states, the head running on ``chunk_size`` rows at a time."""
     logps, entropies = [], []
@@ -297,12 +303,18 @@ def _head_in_chunks(
         if torch.is_grad_enabled() and hidden_rows.requires_grad:
             # Recompute the chunk's logits in backward instead of keeping them: the point of chunking.
             chunk_logps, chunk_entropy = torch.utils.checkpoint.checkpoint(
-                _head_logps_and_entropy, head, *part, temperature, suppressed_token_ids, with_entropy,
+                _head_logps_and_entropy,
+                head,
+                *part,
+                temperature,
+                suppressed_token_ids,
+                with_entropy,
+                entropy_grad,
                 use_reentrant=False,
             )
         else:
             chunk_logps, chunk_entropy = _head_logps_and_entropy(
-                head, *part, temperature, suppressed_token_ids, with_entropy
+                head, *part, temperature, suppressed_token_ids, with_entropy, entropy_grad
             )
         logps.append(chunk_logps)
         entropies.append(chunk_entropy)
@@ -320,6 +332,7 @@ def _chunked_head_logps(
     chunk_size: int,
     with_entropy: bool = True,
     liger: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
 
@@ -335,13 +348,13 @@ def _chunked_head_logps(
         flat_logps = _liger_head_logps(head, hidden_rows, token_rows, temperature)
         flat_entropy = torch.zeros_like(flat_logps)
         if with_entropy:
-            with torch.no_grad():
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
                 _, flat_entropy = _head_in_chunks(
-                    head, hidden_rows, token_rows, temperature, None, chunk_size, with_entropy=True
+                    head, hidden_rows, token_rows, temperature, None, chunk_size, True, entropy_grad
                 )
     else:
         flat_logps, flat_entropy = _head_in_chunks(
-            head, hidden_rows, token_rows, temperature, suppressed_token_ids, chunk_size, with_entropy
+            head, hidden_rows, token_rows, temperature, suppressed_token_ids, chunk_size, with_entropy, entropy_grad
         )
     full_logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_logps)
     full_entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_entropy)
@@ -360,6 +373,7 @@ def completion_logps(
     suppressed_token_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
     liger: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
 
@@ -373,7 +387,8 @@ def completion_logps(
     materialised: the output head runs on ``chunk_size`` completion positions at a time, padding positions are
     skipped (their log-probs read 0), and the backward pass recomputes each chunk. Otherwise the model computes the
     completion positions' logits in one piece. ``liger`` (with a ``chunk_size``, for a plain linear head and no
-    suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel.
+    suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel. The entropies carry a
+    gradient only with ``entropy_grad`` (an entropy bonus in the loss); otherwise they are a metric.
     """
     completion_length = completion_ids.size(1)
     first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
@@ -398,8 +413,16 @@ def completion_logps(
         hidden = outputs.hidden_states[-1][:, -(last_completion_column + 1) : -1]
         kept_mask = completion_attention_mask[:, :last_completion_column].bool()
         logps, entropies = _chunked_head_logps(
-            _output_head(model), hidden, kept_ids, kept_mask, temperature, suppressed_token_ids, chunk_size, with_entropy,
+            _output_head(model),
+            hidden,
+            kept_ids,
+            kept_mask,
+            temperature,
+            suppressed_token_ids,
+            chunk_size,
+            with_entropy,
             liger=liger,
+            entropy_grad=entropy_grad,
         )
         entropies = entropies if with_entropy else None
     else:
@@ -410,7 +433,7 @@ def completion_logps(
         if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
             logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
         logps = selective_log_softmax(logits, kept_ids)
-        entropies = entropy_from_logits(logits) if with_entropy else None
+        entropies = entropy_from_logits(logits, differentiable=entropy_grad) if with_entropy else None
     # Put back the cut right-hand columns (they are masked everywhere) so shapes match the completion tensors.
     pad = completion_length - last_completion_column
     if pad > 0:

@@ -284,6 +284,19 @@ class TargetPOTrainer(Trainer):
             "vespo_parameters": (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
         }
         self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
+        # The entropy bonus: its coefficient (adapted after each optimiser step with use_adaptive_entropy), the last
+        # step's mean entropy (none yet: no bonus before the first), and this step's entropy sum and token count.
+        self._entropy_bonus = args.entropy_coef != 0 or args.use_adaptive_entropy
+        self._entropy_coef = args.entropy_coef
+        self._last_step_entropy = math.inf
+        self._entropy_window = torch.zeros(2, device=self.accelerator.device)
+        if args.use_adaptive_entropy:
+            self.add_callback(_AdaptEntropyCoefficient(self))
+        # Rows whose policy-loss gradient is exactly 0 can be left out only while nothing else trains on them: no KL
+        # term, no entropy bonus, and no entropy quantile ranked over all of the batch's tokens.
+        self._zero_gradient_rows_are_exact = (
+            args.beta == 0 and not self._entropy_bonus and args.top_entropy_quantile == 1
+        )
         if self._importance_sampling and self.sampling.reshapes_distribution:
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
             # their ratio would measure the truncation, not an implementation mismatch.
@@ -527,7 +540,7 @@ class TargetPOTrainer(Trainer):
             tokens = self.accelerator.gather(completion_mask.sum()).sum().item()
             steps = args.steps_per_generation if mode == "train" else 1
             batch["loss_token_count"] = tokens / (steps * self.accelerator.num_processes)
-        if mode == "train" and args.skip_zero_gradient_completions and args.beta == 0:
+        if mode == "train" and args.skip_zero_gradient_completions and self._zero_gradient_rows_are_exact:
             # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
             # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
             batch["rollout_step"] = self.state.global_step
@@ -781,7 +794,12 @@ class TargetPOTrainer(Trainer):
         return torch.cat(parts)
 
     def _token_logps(
-        self, model: nn.Module, batch: Batch, with_entropy: bool = False, rows: torch.Tensor | None = None
+        self,
+        model: nn.Module,
+        batch: Batch,
+        with_entropy: bool = False,
+        rows: torch.Tensor | None = None,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token completion log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them.
 
@@ -804,6 +822,7 @@ class TargetPOTrainer(Trainer):
             *inputs,
             temperature=self.args.temperature,
             with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
             use_position_ids=self._use_position_ids,
             suppressed_token_ids=self._suppressed_token_ids,
             chunk_size=self._logps_chunk_size,
@@ -843,10 +862,14 @@ class TargetPOTrainer(Trainer):
         # collectives below. A sharded model's forward is itself collectives: it runs before the guarded block. (DDP's
         # forward opens with a buffer broadcast, which every process reaches: nothing that can fail precedes it.)
         if self._sharded:
-            per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True, rows=rows)
+            per_token_logps, entropies = self._token_logps(
+                model, inputs, with_entropy=True, rows=rows, entropy_grad=self._entropy_bonus
+            )
         with self._failures_reach_every_process("computing the policy's token log-probs"):
             if not self._sharded:
-                per_token_logps, entropies = self._token_logps(model, inputs, with_entropy=True, rows=rows)
+                per_token_logps, entropies = self._token_logps(
+                    model, inputs, with_entropy=True, rows=rows, entropy_grad=self._entropy_bonus
+                )
             self._require_finite_logps(per_token_logps, mask)
         if rows is not None:
             self._log_mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
@@ -854,15 +877,25 @@ class TargetPOTrainer(Trainer):
         if mode == "train" and self._importance_sampling and "sampler_per_token_logps" in inputs:
             weights = self._importance_weights(per_token_logps, inputs, mask)
             policy_logps = F.scale_token_gradients(per_token_logps, weights)
+        trained_tokens = self._trained_token_weights(per_token_logps, entropies, inputs, mask)
         if args.loss_type == "tpo":
+            if trained_tokens is not None:  # the values, and so p and q, stay; the left-out tokens get no gradient
+                policy_logps = F.scale_token_gradients(policy_logps, trained_tokens.expand_as(policy_logps))
             loss = self._target_loss(policy_logps, inputs, mask, valid, mode)
         else:
-            loss = self._policy_gradient_loss(policy_logps, inputs, mask, mode)
+            loss = self._policy_gradient_loss(policy_logps, inputs, mask, mode, trained_tokens)
         if args.beta > 0:
-            kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask)
+            ratios = None
+            if args.use_bias_correction_kl:
+                old = inputs.get("old_per_token_logps", per_token_logps.detach())
+                level = args.importance_sampling_level if args.loss_type != "tpo" else "token"
+                ratios = torch.exp(F.log_importance_ratios(per_token_logps, old, mask, level))
+            kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask, ratios)
             loss = loss + args.beta * kl
             self._log_mean(mode, "kl", kl.detach())
-        self._log_token_mean(mode, "entropy", entropies, mask)
+        if self._entropy_bonus:
+            loss = loss - self._entropy_bonus_term(entropies, inputs, mask, trained_tokens, mode)
+        self._log_token_mean(mode, "entropy", entropies.detach(), mask)
         # Stop before backward, on every process together: a non-finite loss would put NaN into every weight.
         with self._failures_reach_every_process("checking the loss"):
             if not torch.isfinite(loss):
@@ -918,7 +951,72 @@ class TargetPOTrainer(Trainer):
             targets_all = gather(inputs["targets"])
         return F.tpo_loss(sequence_logps_all, targets_all, args.num_generations, valid_all)
 
-    def _policy_gradient_loss(self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor, mode: str):
+    def _trained_token_weights(
+        self, per_token_logps: torch.Tensor, entropies: torch.Tensor, inputs: Batch, mask: torch.Tensor
+    ) -> torch.Tensor | None:
+        """0/1 weights of the tokens the policy loss trains on (``top_entropy_quantile``, ``off_policy_mask_threshold``);
+        None: all of them."""
+        args = self.args
+        weights = None
+        if args.top_entropy_quantile < 1:
+            # Ranked against every process's tokens of this micro-step, as one batch would be.
+            local = entropies.detach()[mask.bool()].float()
+            padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)  # entropies are >= 0
+            pool = self.accelerator.gather(padded)
+            weights = F.high_entropy_mask(entropies, mask, args.top_entropy_quantile, pool[pool >= 0]).float()
+        if args.off_policy_mask_threshold is not None:
+            # The policy that sampled: vLLM's log-probs where it reported them, else the rollout's own.
+            sampler = inputs.get("sampler_per_token_logps", inputs.get("old_per_token_logps", per_token_logps.detach()))
+            keep = F.off_policy_sequence_mask(
+                inputs["advantages"], per_token_logps, sampler, mask, args.off_policy_mask_threshold
+            ).float()
+            weights = keep if weights is None else weights * keep
+        return weights
+
+    def _entropy_bonus_term(
+        self, entropies: torch.Tensor, inputs: Batch, mask: torch.Tensor, trained_tokens: torch.Tensor | None, mode: str
+    ) -> torch.Tensor:
+        """``coefficient x`` the mean token entropy over the tokens the policy loss trains on.
+
+        With the token-normalised losses the sum is divided by the same token count as theirs, so that over an
+        optimiser step it adds up to the step's mean entropy, as the others' per-micro-step means do.
+        """
+        args = self.args
+        tokens = mask if trained_tokens is None else mask * trained_tokens
+        total = (entropies * tokens).sum()
+        if args.loss_type in F.TOKEN_NORMALIZED_LOSSES and args.loss_type != "bnpo":
+            mean_entropy = total / max(inputs["loss_token_count"], 1)
+        else:
+            mean_entropy = total / tokens.sum().clamp(min=1)
+        coefficient = self._entropy_coef
+        if args.use_adaptive_entropy:
+            coefficient = coefficient if self._last_step_entropy <= args.entropy_target else 0.0
+            if mode == "train":
+                self._entropy_window += torch.stack([total.detach(), tokens.sum()]).float()
+        self._metrics[mode]["entropy_coef"].append(coefficient)
+        return coefficient * mean_entropy
+
+    def _adapt_entropy_coef(self) -> None:
+        """After an optimiser step: move the adaptive entropy coefficient towards keeping entropy at its target."""
+        args = self.args
+        total, count = self.accelerator.reduce(self._entropy_window, reduction="sum").tolist()
+        self._entropy_window.zero_()
+        if count == 0:
+            return
+        self._last_step_entropy = total / count
+        if self._last_step_entropy <= args.entropy_target:
+            self._entropy_coef = min(self._entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self._entropy_coef = max(self._entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+
+    def _policy_gradient_loss(
+        self,
+        per_token_logps: torch.Tensor,
+        inputs: Batch,
+        mask: torch.Tensor,
+        mode: str,
+        trained_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """A GRPO-family loss (``F.policy_gradient_loss``) of the step batch, and where its clipping bites."""
         args = self.args
         old = inputs.get("old_per_token_logps", per_token_logps.detach())
@@ -934,6 +1032,7 @@ class TargetPOTrainer(Trainer):
             args.loss_type,
             max_completion_length=args.max_completion_length,
             token_count=token_count,
+            token_weights=trained_tokens,
             **self._policy_gradient_settings,
         )
         fractions = F.clip_fractions(
@@ -1134,3 +1233,13 @@ class _PushWeightsWhileGenerating(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer._upcoming is not None:
             self.trainer._sync_rollout_weights()
+
+
+class _AdaptEntropyCoefficient(TrainerCallback):
+    """After each optimiser step, adapt the entropy bonus's coefficient to the step's entropy (on every process)."""
+
+    def __init__(self, trainer: TargetPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._adapt_entropy_coef()

@@ -13,7 +13,7 @@ import torch
 def token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, suppressed=()):
     """``(B, C)`` log-probs of the completion tokens under ``model``, at ``temperature`` and with ``suppressed``
     token ids given no probability (as sampling saw them), 0 outside ``completion_mask``; and ``(B, C)`` entropies
-    of those distributions."""
+    of those distributions (with their gradient)."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding takes no position, as in generate
@@ -26,7 +26,7 @@ def token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
     # Padding after EOS may be a suppressed token (-inf): it is outside every mask, so it reads 0.
     picked = torch.where(completion_mask.bool(), picked, torch.zeros_like(picked))
     entropy = -(log_probs.exp() * log_probs.nan_to_num(neginf=0.0)).sum(-1)
-    return picked, entropy.detach()
+    return picked, entropy
 
 
 def sequence_logps(per_token, mask, length_normalize):
@@ -84,16 +84,19 @@ def grpo_loss(per_token, old_per_token, u, mask, epsilon):
     return per_sequence.mean(), was_clipped.float().sum() / mask.sum()
 
 
-def kl(per_token, ref_per_token, mask):
-    """Token mean of exp(r) - r - 1, r = logp_ref - logp, over the completion tokens."""
+def kl(per_token, ref_per_token, mask, ratio=None):
+    """Token mean of exp(r) - r - 1, r = logp_ref - logp, over the completion tokens; each times ``ratio`` if given."""
     r = torch.where(mask.bool(), ref_per_token - per_token, torch.zeros_like(per_token))
-    return ((torch.exp(r) - r - 1) * mask).sum() / mask.sum()
+    estimate = torch.exp(r) - r - 1
+    if ratio is not None:
+        estimate = estimate * ratio
+    return (estimate * mask).sum() / mask.sum()
 
 
 CLIPPED_SURROGATES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")
 
 
-def policy_gradient_loss(args, per_token, old_per_token, u, mask, token_count=None):
+def policy_gradient_loss(args, per_token, old_per_token, u, mask, token_count=None, kept=None):
     """The GRPO-family loss ``args.loss_type`` with ``args``' settings, written out one completion at a time.
 
     Token losses: clipped surrogates -min(r A, clip(r) A) (r capped at delta first, if set); cispo
@@ -101,7 +104,7 @@ def policy_gradient_loss(args, per_token, old_per_token, u, mask, token_count=No
     of the token ratios and phi(w) = w^k exp(lambda (1 - w)). r is per token, or the exp of the mean log-ratio with
     importance_sampling_level="sequence". Reductions: grpo/sapo token mean per completion then mean; bnpo all tokens'
     mean; dapo/cispo/vespo the sum over ``token_count``; dr_grpo the sum over rows * max_completion_length; luspo the
-    mean over completions of their token sums.
+    mean over completions of their token sums. ``kept`` (0/1 per token) drops tokens' losses, normalisers unchanged.
     """
     loss_type = args.loss_type
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -133,6 +136,8 @@ def policy_gradient_loss(args, per_token, old_per_token, u, mask, token_count=No
             token = -(w**k) * math.exp(lam * (1 - w)) * advantage * logp
         else:
             raise ValueError(loss_type)
+        if kept is not None:
+            token = token * kept[i][on]
         sums.append(token.sum())
     total = torch.stack(sums).sum()
     if loss_type in ("grpo", "sapo"):

@@ -97,6 +97,21 @@ def test_every_row_of_a_datasets_dataset_is_checked(tokenizer):
         validate_prompt_dataset([{"prompt": "ok"}, {"text": "ok"}], "train", tokenizer)
 
 
+def test_image_prompts_are_refused_rather_than_trained_on_as_text(tokenizer):
+    """Vision-language prompts in TRL's format (an image column, image content parts) are not supported yet: training
+    would silently drop the images."""
+    with_image = [{"type": "image"}, {"type": "text", "text": "What is shown?"}]
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": with_image}]] * 2, "image": ["a.png", "b.png"]})
+    with pytest.raises(ValueError, match=r"column\(s\) \['image'\].*not supported yet.*remove_columns"):
+        validate_prompt_dataset(rows, "train", tokenizer)
+    with pytest.raises(ValueError, match=r"column\(s\) \['images'\]"):
+        validate_prompt_dataset([{"prompt": "Describe", "images": ["a.png"]}], "train", tokenizer)
+    # Without the column, an image part in a message is refused by row.
+    parts = [{"prompt": chat("ok")}, {"prompt": [{"role": "user", "content": with_image}]}]
+    with pytest.raises(ValueError, match="row 1 has message 0 with a content part of type 'image'.*not supported yet"):
+        validate_prompt_dataset(parts, "train", tokenizer)
+
+
 def test_prompts_are_read_a_batch_at_a_time_through_a_transform(tokenizer):
     """A `set_transform` that builds the prompt is honoured, and runs once per batch, not once per row."""
     calls = []

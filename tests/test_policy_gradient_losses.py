@@ -199,3 +199,55 @@ def test_decoupled_advantages_closed_form():
     # No spread anywhere: all zeros, never NaN.
     flat = F.decoupled_advantages(t([[1.0], [1.0], [2.0], [2.0]]), t([1.0]), 2)
     assert flat.tolist() == [0.0] * 4
+
+
+# ------------------------------------------------------------------------------------------------ regularisers
+def test_high_entropy_mask_keeps_the_top_quantile():
+    entropies = t([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: neither ranked nor kept
+    # 7 tokens: 0.0 0.1 0.2 0.3 0.5 0.7 0.9; the 0.5-quantile is 0.3, so 0.3 and above are kept.
+    kept = F.high_entropy_mask(entropies, mask, 0.5)
+    assert kept.tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert F.high_entropy_mask(entropies, mask, 1.0).equal(mask.bool())
+    assert F.high_entropy_mask(entropies, mask, 0.0).sum() == 1  # only the highest
+    # Ranked against a wider pool (other processes' tokens), fewer of these may qualify.
+    assert F.high_entropy_mask(entropies, mask, 0.5, pool=t([0.8, 0.85, 0.9, 0.95])).sum() == 1
+
+
+def test_off_policy_sequence_mask_drops_far_negative_completions_only():
+    sampler = t([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    current_logps = t([[-2.0, -2.0], [-2.0, -2.0], [-1.1, -1.0]])  # mean KL 1.0, 1.0 and 0.05
+    advantages = t([-1.0, 1.0, -1.0])
+    keep = F.off_policy_sequence_mask(advantages, current_logps, sampler, torch.ones(3, 2), threshold=0.5)
+    # Far and negative: dropped; far but positive: kept; negative but close: kept.
+    assert keep.flatten().tolist() == [0.0, 1.0, 1.0]
+
+
+def test_token_weights_drop_token_losses_and_keep_the_normalisers():
+    weights = t([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    loss = F.policy_gradient_loss(current(), OLD, ADVANTAGES, MASK, "grpo", token_weights=weights, **CLIP)
+    # Row 0 keeps -1.3 of its 2 tokens, row 1 keeps 2.2 + 1.6 of its 3.
+    assert loss.item() == pytest.approx((-1.3 / 2 + 3.8 / 3) / 2, abs=1e-12)
+
+
+def test_bias_corrected_kl_weights_each_token_by_its_ratio():
+    logps = t([[-1.0, -2.0, -9.0]])
+    reference = t([[-1.5, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    ratios = t([[2.0, 0.5, 100.0]])
+    # (exp(-0.5) + 0.5 - 1) * 2 and (e - 1 - 1) * 0.5, over the 2 tokens.
+    expected = ((math.exp(-0.5) - 0.5) * 2 + (math.e - 2) * 0.5) / 2
+    assert F.token_kl(logps, reference, mask, ratios).item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_differentiable_entropy_survives_suppressed_tokens():
+    from targetpo.modeling import token_entropy
+
+    logits = t([[0.5, -1.0, float("-inf"), 2.0]]).requires_grad_(True)
+    entropy = token_entropy(logits)
+    p = torch.softmax(t([0.5, -1.0, 2.0]), dim=0)
+    assert entropy.item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-12)
+    entropy.sum().backward()
+    # dH/dz_i = -p_i (log p_i + H) for the live tokens, 0 for the suppressed one: finite everywhere.
+    expected = -p * (p.log() + entropy.item())
+    assert torch.allclose(logits.grad, t([expected[0], expected[1], 0.0, expected[2]]), atol=1e-12)

@@ -135,35 +135,56 @@ def reference_step(run, step, reference_model=None):
         mask = batch["completion_mask"].float()
         valid = mask.any(dim=1)
         u = ref.whitened(run.rewards[rollout], tensors["completion_mask"].any(dim=1), K)[rows]
-        trained = trained_groups(u, valid, K, at_rollout_weights) if args.beta == 0 else [True] * (len(u) // K)
+        # Rows without gradient are left out unless a term other than the policy loss trains on them too.
+        skips = args.beta == 0 and not args.entropy_coef and args.top_entropy_quantile == 1
+        trained = trained_groups(u, valid, K, at_rollout_weights) if skips else [True] * (len(u) // K)
         trained_rows = torch.tensor(trained).repeat_interleave(K) & valid
         logps, entropy = ref.token_logps(model, *inputs, args.temperature, suppressed_ids(args))
         with torch.no_grad():
             old, _ = ref.token_logps(rollout_model, *inputs, args.temperature, suppressed_ids(args))
+        # The tokens the policy loss trains on: the top entropy quantile of the micro-step's tokens, and not the
+        # completions with a negative advantage that are too far off-policy (mean KL from the rollout's policy).
+        kept = mask.clone()
+        if args.top_entropy_quantile < 1:
+            cut = torch.quantile(entropy.detach()[mask.bool()], 1 - args.top_entropy_quantile)
+            kept = kept * (entropy.detach() >= cut)
+        if args.off_policy_mask_threshold is not None:
+            for i in range(len(u)):
+                on = mask[i].bool()
+                if on.any() and u[i] < 0 and (old[i][on] - logps.detach()[i][on]).mean() > args.off_policy_mask_threshold:
+                    kept[i] = 0
         if loss_type == "tpo":
             normalize = args.tpo_length_normalize_logps
             q = ref.targets(ref.sequence_logps(old, mask, normalize), u, valid, K, args.tpo_target_temperature)
             built_targets.append((q, trained))
-            sequence = ref.sequence_logps(logps, mask, normalize)
+            # Left-out tokens keep their values (so p and q) but get no gradient.
+            logps_for_loss = logps.detach() + kept * (logps - logps.detach())
+            sequence = ref.sequence_logps(logps_for_loss, mask, normalize)
             loss = ref.tpo_loss(sequence, q, valid, K)
             # The logged loss leaves out the skipped groups' constant cross-entropy (0 gradient either way).
             logged_loss = ref.tpo_loss(sequence, q, valid, K, counted_groups=trained).item()
-        else:
+        token_count = tensors["completion_mask"].sum().item() / args.steps_per_generation
+        if loss_type != "tpo":
             # dapo, cispo, vespo: each token weighs 1 / (the rollout's tokens / steps_per_generation), the documented
             # tokens of one optimiser step's accumulated batch; the micro-step's loss is then divided by the
             # accumulation steps like every other loss.
-            token_count = tensors["completion_mask"].sum().item() / args.steps_per_generation
-            loss = ref.policy_gradient_loss(args, logps, old, u, mask, token_count)
+            loss = ref.policy_gradient_loss(args, logps, old, u, mask, token_count, kept)
             if loss_type == "grpo" and args.importance_sampling_level == "token":
                 clipped.append(ref.grpo_loss(logps, old, u, mask, args.epsilon)[1].item())
             logged_loss = loss.item()
         if args.beta > 0:
             with torch.no_grad():
                 reference_logps, _ = ref.token_logps(reference_model, *inputs, args.temperature, suppressed_ids(args))
-            kl = ref.kl(logps, reference_logps, mask)
+            ratio = torch.exp(logps - old) if args.use_bias_correction_kl else None
+            kl = ref.kl(logps, reference_logps, mask, ratio)
             loss = loss + args.beta * kl
             kls.append(kl.item())
             logged_loss += args.beta * kl.item()
+        if args.entropy_coef:
+            token_normalized = loss_type in ("dapo", "cispo", "vespo")
+            bonus = args.entropy_coef * (entropy * kept).sum() / (token_count if token_normalized else kept.sum())
+            loss = loss - bonus
+            logged_loss -= bonus.item()
         total = total + loss / args.gradient_accumulation_steps
         losses.append(logged_loss)
         trained_mask = mask * trained_rows.unsqueeze(-1)
@@ -234,6 +255,48 @@ def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, t
     if settings.get("mask_truncated_completions"):
         completions = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
         assert not completions.any(1).all(), "the run must have invalid members to test"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(entropy_coef=0.3),
+        dict(entropy_coef=0.3, loss_type="dapo", steps_per_generation=2, gradient_accumulation_steps=2),
+        dict(top_entropy_quantile=0.4, num_iterations=2),
+        dict(top_entropy_quantile=0.4, loss_type="grpo", num_iterations=2, entropy_coef=0.1),
+        dict(off_policy_mask_threshold=0.02, num_iterations=2, learning_rate=2.0),
+        dict(off_policy_mask_threshold=0.02, loss_type="dapo", num_iterations=2, learning_rate=2.0),
+        dict(beta=0.5, use_bias_correction_kl=True, num_iterations=2),
+        dict(beta=0.5, use_bias_correction_kl=True, loss_type="grpo", num_iterations=2),
+    ],
+    ids=["entropy-bonus-tpo", "entropy-bonus-dapo", "entropy-quantile-tpo", "entropy-quantile-and-bonus-grpo",
+         "off-policy-mask-tpo", "off-policy-mask-dapo", "bias-corrected-kl-tpo", "bias-corrected-kl-grpo"],
+)
+def test_regularisers_and_filters_match_the_hand_built_gradient(tmp_path, tokenizer, monkeypatch, settings):
+    settings = {"max_steps": 2, "generation_kwargs": few_letters(tokenizer), **settings}
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    initial = copy.deepcopy(model)
+    run = train_and_record(tmp_path, tokenizer, monkeypatch, model=model, **settings)
+    for step in range(run.trainer.state.global_step):
+        expected = reference_step(run, step, reference_model=initial)
+        assert_step_matches(run, step, expected)
+        expected_loss = sum(expected["loss"]) / len(expected["loss"])
+        assert logged(run, step, "loss") == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("target, applied", [(100.0, [0.0, 0.15, 0.2]), (0.0, [0.0, 0.0, 0.0])])
+def test_adaptive_entropy_coefficient_follows_each_steps_entropy(tmp_path, tokenizer, monkeypatch, target, applied):
+    """Entropy at or below the target raises the coefficient by entropy_coef_delta after each optimiser step (and the
+    bonus acts from the next step on); above it, the coefficient falls (to entropy_coef_min) and the bonus is off."""
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, max_steps=3, use_adaptive_entropy=True, entropy_coef=0.1,
+        entropy_coef_delta=0.05, entropy_target=target, generation_kwargs=few_letters(tokenizer),
+    )
+    assert [logged(run, step, "entropy_coef") for step in range(3)] == pytest.approx(applied)
+    assert run.trainer._entropy_coef == pytest.approx(0.25 if target > 1 else 0.0)
+    # The first step has no previous entropy to compare: no bonus, the plain TPO gradient.
+    run.trainer.args.entropy_coef = 0.0  # what the reference then builds
+    assert_step_matches(run, 0, reference_step(run, 0))
 
 
 class ToolWrittenTokens(RolloutBackend):
