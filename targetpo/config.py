@@ -45,13 +45,50 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Keyword arguments for `from_pretrained` when the model is given as an id or path (JSON)."},
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow models and tokenizers (the policy's and reward models') whose repository ships its own "
+            "Python code to run it. Off unless asked: that code runs with your permissions."
+        },
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the output head (policy and reference) in float32 while the rest of the model runs in "
+            "its own precision: more exact token log-probs under bf16. Needs an output head not tied to the input "
+            "embeddings."
+        },
+    )
+    router_aux_loss_coef: float = field(
+        default=0.001,
+        metadata={
+            "help": "Mixture-of-experts models: weight of the router's load-balancing loss added to the training "
+            "loss (0 switches it off). No effect on other models."
+        },
+    )
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Set every dropout probability to 0 in the policy and the reference model."},
     )
 
+    # --- Data ---------------------------------------------------------------------------------------------------
+    shuffle_dataset: bool = field(
+        default=True, metadata={"help": "Shuffle the training prompts (each epoch in a new order, from the seed)."}
+    )
+    pad_to_multiple_of: int | None = field(
+        default=None,
+        metadata={
+            "help": "Pad prompt and completion token ids to a multiple of this length (e.g. 8 for tensor cores)."
+        },
+    )
+
     # --- Rollout ------------------------------------------------------------------------------------------------
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (K, the group size)."})
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions sampled per prompt in evaluation (fewer saves time). None: num_generations."},
+    )
     generation_batch_size: int | None = field(
         default=None,
         metadata={
@@ -85,6 +122,22 @@ class GRPOConfig(TrainingArguments):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling. 0 disables it."})
     min_p: float | None = field(default=None, metadata={"help": "Minimum token probability relative to the top one."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty. 1.0 disables it."})
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Generation with `model.generate`: the KV-cache implementation (e.g. 'static'). None: default."
+        },
+    )
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={"help": "Generate with transformers' continuous-batching engine. Not supported yet: an error."},
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata={"help": "Settings of transformers' continuous-batching engine (not supported yet)."}
+    )
+    use_transformers_paged: bool = field(
+        default=False, metadata={"help": "Former name of use_transformers_continuous_batching."}
+    )
     generation_kwargs: dict | str | None = field(
         default=None,
         metadata={"help": "Extra `GenerationConfig` settings for rollouts (JSON), e.g. '{\"suppress_tokens\": [3]}'."},
@@ -181,6 +234,25 @@ class GRPOConfig(TrainingArguments):
     )
     vllm_tensor_parallel_size: int = field(
         default=1, metadata={"help": "Colocate mode: devices one engine spans (tensor parallelism)."}
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={
+            "help": "Colocate mode: vLLM's model implementation, 'vllm' (its own) or 'transformers' (the model's "
+            "transformers code run by vLLM). Server mode: pass --model-impl to the server.",
+            "choices": ("vllm", "transformers", "auto"),
+        },
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None,
+        metadata={"help": "With vLLM: constrain every completion to match this regular expression. None: free."},
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={
+            "help": "Not used: server-mode weight transfer goes through vLLM's own endpoints, which pick the port "
+            "(see docs/vllm.md). Kept so GRPO configs that set it still load."
+        },
     )
     vllm_enable_sleep_mode: bool = field(
         default=False,
@@ -335,10 +407,30 @@ class GRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Rows of the completions table. None prints every completion of the rollout."}
     )
+    log_unique_prompts: bool = field(
+        default=False,
+        metadata={"help": "In the completions table, write each prompt once, on its first completion's row."},
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None,
+        metadata={
+            "help": "Push the completions table to this Hub dataset repository at each log ('user/name'; private "
+            "with hub_private_repo). Needs log_completions and access to the Hub."
+        },
+    )
+    log_multimodal: bool = field(
+        default=True,
+        metadata={"help": "Log images with the completions (no effect: image prompts are not supported yet)."},
+    )
 
     def __post_init__(self):
         # Dict-valued fields arrive as JSON strings from the command line.
-        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+        for name in (
+            "model_init_kwargs",
+            "generation_kwargs",
+            "chat_template_kwargs",
+            "transformers_continuous_batching_config",
+        ):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:
@@ -356,6 +448,29 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"num_generations must be at least 2 (a group needs two completions to compare), got {self.num_generations}."
             )
+        if self.use_transformers_continuous_batching or self.use_transformers_paged:
+            raise ValueError(
+                "use_transformers_continuous_batching (use_transformers_paged) is not supported yet: rollouts are "
+                "generated with `model.generate` (padded batches) or vLLM. Set use_vllm=True for continuous batching."
+            )
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1 or None, got {self.pad_to_multiple_of}.")
+        if self.vllm_model_impl not in ("vllm", "transformers", "auto"):
+            raise ValueError(f"vllm_model_impl must be 'vllm', 'transformers' or 'auto', got {self.vllm_model_impl!r}.")
+        if self.vllm_structured_outputs_regex is not None and not self.use_vllm:
+            raise ValueError(
+                "vllm_structured_outputs_regex constrains vLLM's sampling: set use_vllm=True (model.generate has no "
+                "regular-expression constraint)."
+            )
+        if self.log_completions_hub_repo is not None and not self.log_completions:
+            raise ValueError(
+                "log_completions_hub_repo pushes the completions table, which log_completions=False does not build: "
+                "set log_completions=True or unset log_completions_hub_repo."
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError(f"num_generations_eval must be >= 1 or None, got {self.num_generations_eval}.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
@@ -553,11 +668,13 @@ class GRPOConfig(TrainingArguments):
     def check_eval_batch_size(self) -> None:
         """Evaluation batches, like training steps, must hold whole prompt groups."""
         eval_batch = self.per_device_eval_batch_size * self.world_size
-        if eval_batch % self.num_generations != 0:
+        group = self.num_generations if self.num_generations_eval is None else self.num_generations_eval
+        name = "num_generations" if self.num_generations_eval is None else "num_generations_eval"
+        if eval_batch % group != 0:
             raise ValueError(
                 f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
                 f"({self.per_device_eval_batch_size}) x {self.world_size} processes = {eval_batch} is not a multiple "
-                f"of num_generations ({self.num_generations})."
+                f"of {name} ({group})."
             )
 
 

@@ -35,7 +35,9 @@ def model_identifier(model: PreTrainedModel) -> str | None:
     return name or None
 
 
-def load_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The policy's tokenizer, set up for generation: left padding and a pad token (EOS when it has none)."""
     if tokenizer is None:
         name = model_identifier(model)
@@ -43,7 +45,7 @@ def load_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
             raise ValueError(
                 "The model was built from a config and has no tokenizer to load: pass `processing_class=` a tokenizer."
             )
-        tokenizer = from_pretrained_or_explain(AutoTokenizer, name, "tokenizer")
+        tokenizer = from_pretrained_or_explain(AutoTokenizer, name, "tokenizer", trust_remote_code=trust_remote_code)
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         # A multimodal processor wraps its tokenizer; rollouts only need the tokenizer.
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)

@@ -56,8 +56,7 @@ def check_reward_output(output: Any, name: str, expected: int) -> list[float]:
         output = output.tolist()
     if isinstance(output, (str, bytes)) or not isinstance(output, Sequence):
         raise ValueError(
-            f"Reward function '{name}' must return a list with one score per completion, got "
-            f"{type(output).__name__}."
+            f"Reward function '{name}' must return a list with one score per completion, got {type(output).__name__}."
         )
     if len(output) != expected:
         raise ValueError(
@@ -76,10 +75,17 @@ class RewardScorer:
         reward_processing_classes: PreTrainedTokenizerBase | Sequence[PreTrainedTokenizerBase | None] | None = None,
         reward_weights: Sequence[float] | None = None,
         model_init_kwargs: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
     ):
-        if reward_funcs is None or (isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs):
+        if reward_funcs is None or (
+            isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
+        ):
             raise ValueError("`reward_funcs` needs at least one reward function or reward model.")
-        funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) else [reward_funcs]
+        funcs = (
+            list(reward_funcs)
+            if isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str)
+            else [reward_funcs]
+        )
         if reward_processing_classes is None:
             tokenizers: list[Any] = [None] * len(funcs)
         elif isinstance(reward_processing_classes, Sequence):
@@ -105,11 +111,10 @@ class RewardScorer:
         self.tokenizers: list[Any] = []
         for func, tokenizer in zip(funcs, tokenizers):
             if isinstance(func, str):
-                func = from_pretrained_or_explain(
-                    AutoModelForSequenceClassification, func, "reward model", num_labels=1, **(model_init_kwargs or {})
-                )
+                kwargs = {"num_labels": 1, "trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+                func = from_pretrained_or_explain(AutoModelForSequenceClassification, func, "reward model", **kwargs)
             if isinstance(func, PreTrainedModel):
-                tokenizer = self._reward_tokenizer(func, tokenizer)
+                tokenizer = self._reward_tokenizer(func, tokenizer, trust_remote_code)
                 func.requires_grad_(False)
                 func.eval()
             elif not callable(func):
@@ -125,7 +130,7 @@ class RewardScorer:
         self.weights = torch.tensor([float(weight) for weight in reward_weights], dtype=torch.float32)
 
     @staticmethod
-    def _reward_tokenizer(model: PreTrainedModel, tokenizer: Any) -> PreTrainedTokenizerBase:
+    def _reward_tokenizer(model: PreTrainedModel, tokenizer: Any, trust_remote_code: bool) -> PreTrainedTokenizerBase:
         """The reward model's tokenizer, right-padded, with the pad id the classifier uses to find the last token."""
         if tokenizer is None:
             name = model_identifier(model)
@@ -134,7 +139,9 @@ class RewardScorer:
                     f"Reward model {type(model).__name__} was built from a config: pass its tokenizer in "
                     "`reward_processing_classes`."
                 )
-            tokenizer = from_pretrained_or_explain(AutoTokenizer, name, "reward model tokenizer")
+            tokenizer = from_pretrained_or_explain(
+                AutoTokenizer, name, "reward model tokenizer", trust_remote_code=trust_remote_code
+            )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         if model.config.pad_token_id is None:

@@ -95,7 +95,7 @@ RESERVED_REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids
 def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrainedModel:
     """The policy: loaded from an id or path with ``model_init_kwargs``, or the given model as it is."""
     if isinstance(model, str):
-        kwargs = dict(args.model_init_kwargs or {})
+        kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
         for key in ("dtype", "torch_dtype"):
             if isinstance(kwargs.get(key), str) and kwargs[key] != "auto":
                 kwargs[key] = getattr(torch, kwargs[key])
@@ -192,10 +192,10 @@ class TargetPOTrainer(Trainer):
             )
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
-            reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs
+            reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
         )
         policy = _load_policy(model, args)
-        tokenizer = load_tokenizer(policy, processing_class)
+        tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
         validate_prompt_dataset(train_dataset, "train", tokenizer)
         validate_prompt_dataset(eval_dataset, "eval", tokenizer)
         if self.tools or self._environments is not None:
@@ -399,14 +399,14 @@ class TargetPOTrainer(Trainer):
             num_generations=self.args.num_generations,
             prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
             repeat_count=self._generate_every,
-            shuffle=True,
+            shuffle=self.args.shuffle_dataset,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
             tag_uses=True,
             lookahead_use=self._lookahead_use,
         )
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
-        return RepeatSampler(len(eval_dataset), num_generations=self.args.num_generations, shuffle=False)
+        return RepeatSampler(len(eval_dataset), num_generations=self._group_size("eval"), shuffle=False)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -496,6 +496,12 @@ class TargetPOTrainer(Trainer):
             with self._failures_reach_every_process("tokenizing the prompts"):
                 prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
             completions = self._generate_completions(prompt_ids, prompt_mask, mode)
+        if args.pad_to_multiple_of is not None:
+            multiple, pad_id = args.pad_to_multiple_of, self.sampling.pad_token_id
+            extra_columns = -prompt_ids.size(1) % multiple
+            prompt_ids = nn.functional.pad(prompt_ids, (extra_columns, 0), value=pad_id)  # prompts are left-padded
+            prompt_mask = nn.functional.pad(prompt_mask, (extra_columns, 0), value=0)
+            completions = completions.padded_to_multiple(multiple, pad_id)
         with self._failures_reach_every_process("scoring the completions"):
             completion_texts, completion_id_lists = self._decode(completions)
             if conversations is None:
@@ -518,7 +524,7 @@ class TargetPOTrainer(Trainer):
         scores_per_func_all = self.accelerator.gather(scores_per_func)
         valid_all = self.accelerator.gather(valid)
         scores_all = self._combine_rewards(scores_per_func_all)
-        advantages_all = self._advantages(scores_per_func_all, scores_all, valid_all)
+        advantages_all = self._advantages(scores_per_func_all, scores_all, valid_all, mode)
 
         batch: Batch = {
             "prompt_ids": prompt_ids,
@@ -771,14 +777,20 @@ class TargetPOTrainer(Trainer):
         return (scores_per_func * weights).nansum(dim=1)
 
     def _advantages(
-        self, scores_per_func_all: torch.Tensor, scores_all: torch.Tensor, valid_all: torch.Tensor
+        self, scores_per_func_all: torch.Tensor, scores_all: torch.Tensor, valid_all: torch.Tensor, mode: str
     ) -> torch.Tensor:
         """The rollout's advantages ``u``, as ``scale_rewards`` and ``multi_objective_aggregation`` say."""
         args = self.args
         if args.multi_objective_aggregation == "normalize_then_sum":
             weights = self.reward_scorer.weights.to(scores_per_func_all.device)
-            return F.decoupled_advantages(scores_per_func_all, weights, args.num_generations, valid_all)
-        return F.group_advantages(scores_all, args.num_generations, valid_all, args.scale_rewards)
+            return F.decoupled_advantages(scores_per_func_all, weights, self._group_size(mode), valid_all)
+        return F.group_advantages(scores_all, self._group_size(mode), valid_all, args.scale_rewards)
+
+    def _group_size(self, mode: str) -> int:
+        """Completions per prompt: ``num_generations`` in training, ``num_generations_eval`` (if set) in evaluation."""
+        if mode == "eval" and self.args.num_generations_eval is not None:
+            return self.args.num_generations_eval
+        return self.args.num_generations
 
     def _local_slice(self, local_size: int) -> slice:
         start = self.accelerator.process_index * local_size
@@ -940,7 +952,7 @@ class TargetPOTrainer(Trainer):
             targets_all = F.tpo_targets(
                 sequence_logps_all.detach(),
                 gather(inputs["advantages"]),
-                args.num_generations,
+                self._group_size(mode),
                 valid_all,
                 args.tpo_target_temperature,
             )
@@ -949,7 +961,7 @@ class TargetPOTrainer(Trainer):
             self._record_targets(inputs, mode, valid)
         else:
             targets_all = gather(inputs["targets"])
-        return F.tpo_loss(sequence_logps_all, targets_all, args.num_generations, valid_all)
+        return F.tpo_loss(sequence_logps_all, targets_all, self._group_size(mode), valid_all)
 
     def _trained_token_weights(
         self, per_token_logps: torch.Tensor, entropies: torch.Tensor, inputs: Batch, mask: torch.Tensor
@@ -1088,7 +1100,7 @@ class TargetPOTrainer(Trainer):
 
     def _groups_span_processes(self, mode: str) -> bool:
         per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        return groups_span_processes(per_device, self.args.num_generations, self.accelerator.num_processes)
+        return groups_span_processes(per_device, self._group_size(mode), self.accelerator.num_processes)
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):
         inputs = self._prepare_inputs(inputs)
@@ -1129,7 +1141,7 @@ class TargetPOTrainer(Trainer):
             if scored.numel() > 0:
                 metrics[f"rewards/{name}/mean"].append(scored.mean().item())
                 metrics[f"rewards/{name}/std"].append(scored.std(unbiased=False).item())
-        diagnostics = F.rollout_diagnostics(scores_all, self.args.num_generations, valid_all)
+        diagnostics = F.rollout_diagnostics(scores_all, self._group_size(mode), valid_all)
         for name, logged_as in ROLLOUT_DIAGNOSTICS.items():
             value = diagnostics[name].item()
             if not math.isnan(value):  # reward_std has none when no completion is valid
@@ -1161,7 +1173,7 @@ class TargetPOTrainer(Trainer):
             self.accelerator.gather(tensor)
             for tensor in (batch["targets"], batch["scores"], valid, built, batch["sample_index"])
         )
-        diagnostics = F.tpo_target_diagnostics(targets, scores, self.args.num_generations, valid)
+        diagnostics = F.tpo_target_diagnostics(targets, scores, self._group_size(mode), valid)
         for name in ("target_entropy", "best_completion_target_mass"):  # informative fraction: at rollout
             value = diagnostics[name].item()
             if not math.isnan(value):

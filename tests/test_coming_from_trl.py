@@ -1,14 +1,17 @@
 """The GRPO surface a TRL script relies on: its config class, and how rewards become advantages."""
 
 import dataclasses
+import json
 import math
 
 import pytest
+import torch
 from conftest import make_config
 from datasets import Dataset
 from test_trainer_values import few_letters
 
 from targetpo import GRPOConfig, TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm
 
 PROMPTS = ["Say cat:", "Say dog:", "Say sun:", "Say map:", "Say pen:", "Say cup:", "Say box:", "Say hat:"]
 
@@ -110,3 +113,81 @@ def test_advantages_follow_scale_rewards_and_multi_objective_aggregation(tmp_pat
     # The combined score the table and metrics show is the weighted sum either way.
     sums = [sum(w * s for w, s in zip([1.0, 0.5], row) if s is not None) for row in per_func]
     assert batch["scores"].tolist() == pytest.approx(sums)
+
+
+def custom_code_model(directory, tokenizer):
+    """A local model whose repository ships its own modelling code (``auto_map``), as some Hub models do."""
+    build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "custom_llama.py").write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n\n\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n\n\n"
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
+    config = json.loads((directory / "config.json").read_text())
+    config["model_type"] = "custom-llama"
+    config["auto_map"] = {"AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomForCausalLM"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_trust_remote_code_is_off_unless_asked(tmp_path, tokenizer, prompt_dataset):
+    path = custom_code_model(tmp_path / "custom", tokenizer)
+    reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        TargetPOTrainer(path, reward, args=make_config(tmp_path), train_dataset=prompt_dataset)
+    trainer = TargetPOTrainer(path, reward, args=make_config(tmp_path, trust_remote_code=True), train_dataset=prompt_dataset)
+    assert type(trainer.model).__name__ == "CustomForCausalLM"  # the repository's own class ran
+
+
+def test_shuffle_dataset_false_keeps_the_dataset_order(tmp_path, tiny_model, tokenizer):
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    orders = {}
+    for shuffle in (True, False):
+        args = make_config(tmp_path, shuffle_dataset=shuffle, per_device_train_batch_size=4, num_generations=4)
+        trainer = TargetPOTrainer(tiny_model, lambda completions, **kw: [0.0] * len(completions), args=args,
+                                  train_dataset=dataset, processing_class=tokenizer)
+        orders[shuffle] = [index for index, _use in trainer._get_train_sampler()][:: args.num_generations]
+    assert orders[False] == list(range(len(PROMPTS)))
+    assert sorted(orders[True]) == list(range(len(PROMPTS))) and orders[True] != orders[False]
+
+
+def test_cache_implementation_reaches_generate(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
+    seen = []
+    original = type(tiny_model).generate
+
+    def recording_generate(self, *args, **kwargs):
+        seen.append(kwargs["generation_config"].cache_implementation)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_model), "generate", recording_generate)
+    args = make_config(tmp_path, cache_implementation="static", max_steps=1)
+    trainer = TargetPOTrainer(tiny_model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                              train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.train()
+    assert seen == ["static"]
+
+
+def test_pad_to_multiple_of_pads_prompts_and_completions_without_changing_the_loss(tmp_path, tiny_model, tokenizer):
+    args = make_config(tmp_path, pad_to_multiple_of=8, max_completion_length=5, generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(tiny_model, lambda completions, **kw: [float(c.count("a")) for c in completions],
+                              args=args, train_dataset=Dataset.from_dict({"prompt": [p + "!" for p in PROMPTS]}),
+                              processing_class=tokenizer)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    pad = tokenizer.pad_token_id
+    prompt_width, completion_width = batch["prompt_ids"].size(1), batch["completion_ids"].size(1)
+    assert prompt_width % 8 == 0 and completion_width == 8  # 5 generated columns at most, padded to 8
+    used_prompt = int(batch["prompt_mask"].any(dim=0).float().argmax())  # first column any prompt uses
+    assert used_prompt > 0 and (batch["prompt_ids"][:, :used_prompt] == pad).all()
+    assert (batch["completion_ids"][:, 5:] == pad).all() and batch["completion_attention_mask"][:, 5:].sum() == 0
+    # The same rows without the padding give the same loss.
+    trimmed = dict(batch)
+    for key in ("prompt_ids", "prompt_mask"):
+        trimmed[key] = batch[key][:, used_prompt:]
+    for key in ("completion_ids", "completion_attention_mask", "completion_mask"):
+        trimmed[key] = batch[key][:, :5]
+    with torch.no_grad():
+        padded_loss = trainer.compute_loss(trainer.model, dict(batch, targets=None))
+        trimmed_loss = trainer.compute_loss(trainer.model, dict(trimmed, targets=None))
+    assert padded_loss.item() == pytest.approx(trimmed_loss.item(), rel=1e-5)

@@ -47,6 +47,25 @@ class Completions:
     def lengths(self) -> torch.Tensor:
         return self.attention_mask.sum(dim=1)
 
+    def padded_to_multiple(self, multiple: int, pad_token_id: int) -> Completions:
+        """The same completions with ``C`` padded up to a multiple of ``multiple`` (padding is outside every mask)."""
+        extra_columns = -self.ids.size(1) % multiple
+        if extra_columns == 0:
+            return self
+
+        def pad(tensor: torch.Tensor | None, value: float) -> torch.Tensor | None:
+            return None if tensor is None else nn.functional.pad(tensor, (0, extra_columns), value=value)
+
+        return Completions(
+            pad(self.ids, pad_token_id),
+            pad(self.attention_mask, 0),
+            self.truncated,
+            pad(self.loss_mask, 0),
+            pad(self.sampler_logps, 0.0),
+            self.weight_versions,
+            self.extra,
+        )
+
     def rows(self, selection: slice) -> Completions:
         """The completions of ``selection`` (a process's share of a rollout)."""
         tensors = {

@@ -25,6 +25,7 @@ class SamplingSettings:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_implementation: str | None = None  # model.generate's KV cache; vLLM manages its own
 
     @classmethod
     def from_config(cls, args: Any, tokenizer: Any, model: Any) -> SamplingSettings:
@@ -43,6 +44,7 @@ class SamplingSettings:
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
             generation_kwargs=dict(args.generation_kwargs or {}),
+            cache_implementation=getattr(args, "cache_implementation", None),
         )
 
     @property
@@ -68,6 +70,8 @@ class SamplingSettings:
             pad_token_id=self.pad_token_id,
             use_cache=True,
         )
+        if self.cache_implementation is not None:
+            settings["cache_implementation"] = self.cache_implementation
         settings.update(self.generation_kwargs)
         return GenerationConfig(**settings)
 
