@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .functional import IMPORTANCE_SAMPLING_LEVELS, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
+from .functional import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
 
 LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")
@@ -273,8 +273,27 @@ class GRPOConfig(TrainingArguments):
             "probability, correcting for the small differences between the two implementations."
         },
     )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "How the importance weights are formed: per token or per whole completion ('token_*', "
+            "'sequence_*'), and kept within the bounds by clamping ('*_truncate') or by zeroing the weights outside "
+            "them ('*_mask').",
+            "choices": IMPORTANCE_SAMPLING_MODES,
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=None,
+        metadata={"help": "Upper bound of the importance weights. None: vllm_importance_sampling_cap."},
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance weights. None: no lower bound."}
+    )
     vllm_importance_sampling_cap: float = field(
-        default=2.0, metadata={"help": "Upper bound of the importance weights (>= 1)."}
+        default=2.0,
+        metadata={
+            "help": "Upper bound of the importance weights (>= 1) when vllm_importance_sampling_clip_max is None."
+        },
     )
 
     # --- Loss ---------------------------------------------------------------------------------------------------
@@ -505,6 +524,18 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_importance_sampling_cap must be >= 1, got {self.vllm_importance_sampling_cap}; to switch the "
                 "correction off set vllm_importance_sampling_correction=False."
             )
+        if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode must be one of {IMPORTANCE_SAMPLING_MODES}, got "
+                f"{self.vllm_importance_sampling_mode!r}."
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.importance_sampling_clip_max
+        if low is not None and not 0 <= low < high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be >= 0 and below the upper bound ({high})."
+            )
+        if high <= 0:
+            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {high}.")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
         if self.vllm_tensor_parallel_size < 1:
@@ -612,6 +643,12 @@ class GRPOConfig(TrainingArguments):
                 f"loss_type='cispo' caps the importance weights at epsilon_high, which defaults to epsilon "
                 f"({self.epsilon}): every weight is then below 1. CISPO recommends epsilon_high=5.0."
             )
+
+    @property
+    def importance_sampling_clip_max(self) -> float:
+        """The importance weights' upper bound: vllm_importance_sampling_clip_max, else vllm_importance_sampling_cap."""
+        clip_max = self.vllm_importance_sampling_clip_max
+        return self.vllm_importance_sampling_cap if clip_max is None else clip_max
 
     def _resolve_batch_layout(self) -> None:
         """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""

@@ -43,6 +43,7 @@ __all__ = [
     "tpo_scores",
     "tpo_target_diagnostics",
     "tpo_targets",
+    "importance_sampling_weights",
     "truncated_importance_weights",
     "vespo_weights",
 ]
@@ -53,6 +54,8 @@ POLICY_GRADIENT_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "l
 #: Losses whose sum over tokens is divided by a token count (``token_count`` in :func:`policy_gradient_loss`).
 TOKEN_NORMALIZED_LOSSES = ("bnpo", "dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+#: How vLLM's sampling log-probs correct the trainer's (:func:`importance_sampling_weights`).
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 #: How group-centred scores are scaled into advantages (:func:`group_advantages`).
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -588,9 +591,38 @@ def truncated_importance_weights(
     """
     if cap < 1:
         raise ValueError(f"The importance-sampling cap must be >= 1, got {cap}.")
+    return importance_sampling_weights(trainer_logps, sampler_logps, completion_mask, "token_truncate", None, cap)
+
+
+def importance_sampling_weights(
+    trainer_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    mode: str = "token_truncate",
+    clip_min: float | None = None,
+    clip_max: float | None = 2.0,
+) -> torch.Tensor:
+    """Detached ``(B, T)`` importance weights ``p_trainer / p_sampler`` bounded by ``[clip_min, clip_max]``; 1 at masked
+    positions.
+
+    ``token_*``: one ratio per token; ``sequence_*``: the ratio of the whole completion (the product of its tokens'),
+    on each of its tokens. ``*_truncate`` clamps the ratio into the bounds; ``*_mask`` sets it to 0 outside them.
+    A bound of None is no bound.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"The importance-sampling mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}.")
     mask = completion_mask.bool()
     log_ratio = torch.where(mask, trainer_logps.detach() - sampler_logps.detach(), torch.zeros_like(trainer_logps))
-    return torch.exp(log_ratio.clamp(max=math.log(cap)))
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    low = -math.inf if clip_min is None else math.log(clip_min) if clip_min > 0 else -math.inf
+    high = math.inf if clip_max is None else math.log(clip_max)
+    if mode.endswith("truncate"):
+        weights = torch.exp(log_ratio.clamp(min=low, max=high))
+    else:
+        inside = (log_ratio >= low) & (log_ratio <= high)
+        weights = torch.where(inside, torch.exp(log_ratio.clamp(max=high)), torch.zeros_like(log_ratio))
+    return torch.where(mask, weights, torch.ones_like(weights))
 
 
 def scale_token_gradients(per_token_logps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1082,7 +1082,8 @@ class TargetPOTrainer(Trainer):
             self._metrics[mode][name].append((means.min() if extreme == "min" else means.max()).item())
 
     def _importance_weights(self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor) -> torch.Tensor:
-        """Truncated token weights ``min(p_trainer / p_vllm, cap)`` of a step batch, computed once and kept.
+        """Token weights ``p_trainer / p_vllm`` of a step batch, bounded as ``vllm_importance_sampling_mode`` says,
+        computed once and kept.
 
         The trainer's side is its own rollout-time log-probs, the same ones ``p_old`` (and so ``q``) is built from.
         """
@@ -1093,7 +1094,15 @@ class TargetPOTrainer(Trainer):
             else:  # kept for later steps, which may train rows this one leaves out
                 mask = inputs["completion_mask"]
             sampler = inputs["sampler_per_token_logps"]
-            weights = F.truncated_importance_weights(old, sampler, mask, self.args.vllm_importance_sampling_cap)
+            args = self.args
+            weights = F.importance_sampling_weights(
+                old,
+                sampler,
+                mask,
+                args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min,
+                args.importance_sampling_clip_max,
+            )
             inputs["importance_weights"] = weights  # the rollout buffer's own entry: reused by later epochs
             self._record_importance_weights(old, sampler, weights, mask)
         return inputs["importance_weights"]
@@ -1155,8 +1164,13 @@ class TargetPOTrainer(Trainer):
         difference = torch.where(on, (trainer_logps - sampler_logps).abs(), torch.zeros_like(weights))
         self._log_token_mean("train", "vllm/logp_abs_diff", difference, mask)
         self._log_token_mean("train", "vllm/importance_weight_mean", weights, mask)
-        capped = (weights >= self.args.vllm_importance_sampling_cap).float()
-        self._log_token_mean("train", "vllm/importance_weight_capped_fraction", capped, mask)
+        # Where the ratio fell outside the bounds (clamped or zeroed).
+        args = self.args
+        level = args.vllm_importance_sampling_mode.split("_")[0]
+        ratios = F.importance_sampling_weights(trainer_logps, sampler_logps, mask, f"{level}_truncate", None, None)
+        low = args.vllm_importance_sampling_clip_min or 0.0
+        outside = ((ratios > args.importance_sampling_clip_max) | (ratios < low)).float()
+        self._log_token_mean("train", "vllm/importance_weight_capped_fraction", outside, mask)
         lowest = torch.where(on, weights, torch.full_like(weights, math.inf)).min().reshape(1)
         lowest = self.accelerator.gather(lowest).min().item()
         if lowest < math.inf:  # no token at all when a step skips every completion

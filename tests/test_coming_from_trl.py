@@ -191,3 +191,28 @@ def test_pad_to_multiple_of_pads_prompts_and_completions_without_changing_the_lo
         padded_loss = trainer.compute_loss(trainer.model, dict(batch, targets=None))
         trimmed_loss = trainer.compute_loss(trainer.model, dict(trimmed, targets=None))
     assert padded_loss.item() == pytest.approx(trimmed_loss.item(), rel=1e-5)
+
+
+def test_num_generations_eval_sets_the_evaluation_group_size(tmp_path, tiny_model, tokenizer):
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        scores = [float(len(c)) for c in completions]
+        seen.append((list(prompts), scores))
+        return scores
+
+    args = make_config(tmp_path, num_generations_eval=2, per_device_eval_batch_size=4, eval_strategy="no",
+                       generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(tiny_model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                              eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}), processing_class=tokenizer)
+    metrics = trainer.evaluate()
+    prompts = [prompt for batch, _ in seen for prompt in batch]
+    assert prompts == [p for p in PROMPTS[:4] for _ in range(2)]  # each eval prompt twice, in pairs
+    spreads = []
+    for _, scores in seen:
+        for start in range(0, len(scores), 2):
+            spreads.append(abs(scores[start] - scores[start + 1]) / 2)  # the population std of a pair
+    # Logged per batch, then averaged over the batches.
+    per_batch = [sum(spreads[i : i + 2]) / 2 for i in range(0, len(spreads), 2)]
+    assert metrics["eval_reward_std"] == pytest.approx(sum(per_batch) / len(per_batch), rel=1e-6)
+    assert 0 < metrics["eval_reward_std"]

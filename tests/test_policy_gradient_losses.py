@@ -251,3 +251,25 @@ def test_differentiable_entropy_survives_suppressed_tokens():
     # dH/dz_i = -p_i (log p_i + H) for the live tokens, 0 for the suppressed one: finite everywhere.
     expected = -p * (p.log() + entropy.item())
     assert torch.allclose(logits.grad, t([expected[0], expected[1], 0.0, expected[2]]), atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM importance weights
+@pytest.mark.parametrize(
+    "mode, clip_min, clip_max, expected",
+    [
+        # Token ratios e^0.5, e^-1, e^1.2 | e^0.2, e^-0.1 (the third is masked: 1).
+        ("token_truncate", 0.5, 2.0, [[math.exp(0.5), 0.5, 2.0], [math.exp(0.2), math.exp(-0.1), 1.0]]),
+        ("token_mask", 0.5, 2.0, [[math.exp(0.5), 0.0, 0.0], [math.exp(0.2), math.exp(-0.1), 1.0]]),
+        ("token_mask", None, None, [[math.exp(0.5), math.exp(-1), math.exp(1.2)], [math.exp(0.2), math.exp(-0.1), 1.0]]),
+        # Sequence ratios e^0.7 (2.01) and e^0.1 on every token of their completion.
+        ("sequence_truncate", None, 1.5, [[1.5] * 3, [math.exp(0.1)] * 2 + [1.0]]),
+        ("sequence_mask", None, 2.0, [[0.0] * 3, [math.exp(0.1)] * 2 + [1.0]]),
+        ("sequence_mask", 1.2, 3.0, [[math.exp(0.7)] * 3, [0.0] * 2 + [1.0]]),
+    ],
+)
+def test_importance_sampling_weights_closed_form(mode, clip_min, clip_max, expected):
+    trainer = t([[-1.0, -2.0, -0.1], [-3.0, -1.0, float("-inf")]])
+    sampler = t([[-1.5, -1.0, -1.3], [-3.2, -0.9, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    weights = F.importance_sampling_weights(trainer, sampler, mask, mode, clip_min, clip_max)
+    assert torch.allclose(weights, t(expected), atol=1e-12)

@@ -477,14 +477,32 @@ def test_logged_metrics_match_their_definitions(tmp_path, tokenizer, monkeypatch
     assert saw_invalid, "the run must have invalid completions for the valid-only definitions to matter"
 
 
-def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer):
+def sequence_mask_weights(offsets, mask, low=0.5, high=1.5):
+    """One weight per completion, exp(sum of its token log-ratios), 0 outside [low, high]; 1 off the mask."""
+    ratio = torch.exp(-(offsets * mask).sum(dim=1, keepdim=True)).expand_as(mask)
+    return torch.where(mask.bool(), torch.where((ratio >= low) & (ratio <= high), ratio, 0.0), 1.0)
+
+
+@pytest.mark.parametrize(
+    "settings, expected_weights",
+    [
+        (dict(vllm_importance_sampling_cap=1.5), lambda offsets, mask: torch.exp(-offsets).clamp(max=1.5)),
+        (
+            dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.5,
+                 vllm_importance_sampling_clip_max=1.5),
+            sequence_mask_weights,
+        ),
+    ],
+    ids=["token-truncate", "sequence-mask"],
+)
+def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer, settings, expected_weights):
     """The truncated weights ``min(p_trainer / p_sampler, cap)`` multiply each token's gradient, not its value.
 
     The sampler that reports its own log-probs is a vLLM engine (covered end to end by the real-engine tests in
     test_vllm.py); here a real rollout gets sampler log-probs set by hand, so the weights are known exactly.
     """
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
-    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), vllm_importance_sampling_cap=1.5)
+    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), **settings)
     trainer = TargetPOTrainer(
         model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
     )
@@ -498,7 +516,7 @@ def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer):
     # Offsets that give weights below 1, at 1, between 1 and the cap, and above it (capped).
     offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
     batch["sampler_per_token_logps"] = (trainer_logps + offsets) * mask
-    weights = torch.exp(-offsets).clamp(max=1.5)
+    weights = expected_weights(offsets, mask)
 
     model.zero_grad()
     trainer.compute_loss(model, batch).backward()
@@ -524,4 +542,9 @@ def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer):
     assert metrics["vllm/logp_abs_diff"] == [pytest.approx(offsets[on].abs().mean().item(), rel=1e-5)]
     assert metrics["vllm/importance_weight_mean"] == [pytest.approx(weights[on].mean().item(), rel=1e-5)]
     assert metrics["vllm/importance_weight_min"] == [pytest.approx(weights[on].min().item(), rel=1e-5)]
-    assert metrics["vllm/importance_weight_capped_fraction"] == [pytest.approx((offsets[on] == -1.0).float().mean().item())]
+    # Where the ratio (per token, or of the whole completion) left the bounds.
+    sequence = "vllm_importance_sampling_mode" in settings
+    raw = torch.exp(-(offsets * mask).sum(dim=1, keepdim=True)).expand_as(mask) if sequence else torch.exp(-offsets)
+    outside = (raw[on] > 1.5) | (raw[on] < (0.5 if sequence else 0.0))
+    assert 0 < outside.sum() < on.sum()
+    assert metrics["vllm/importance_weight_capped_fraction"] == [pytest.approx(outside.float().mean().item())]
