@@ -389,6 +389,19 @@ class GRPOConfig(TrainingArguments):
             "the policy that sampled it exceeds this threshold (e.g. 0.5). None: off."
         },
     )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Move the reference model towards the policy every ref_model_sync_steps optimiser steps: "
+            "ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref (TR-DPO). Needs beta > 0."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "sync_ref_model: the policy's share in the new reference weights."}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "sync_ref_model: optimiser steps between two updates of the reference."}
+    )
     use_bias_correction_kl: bool = field(
         default=False,
         metadata={
@@ -486,6 +499,15 @@ class GRPOConfig(TrainingArguments):
                 "log_completions_hub_repo pushes the completions table, which log_completions=False does not build: "
                 "set log_completions=True or unset log_completions_hub_repo."
             )
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError(
+                "sync_ref_model=True updates the reference model of the KL term, which beta=0 does not load: set "
+                "beta > 0 or sync_ref_model=False."
+            )
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}.")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}.")
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:

@@ -9,7 +9,6 @@ import datasets
 import torch
 from torch.utils.data import Sampler
 
-
 #: Dataset columns that carry images (or other media) for vision-language prompts.
 MEDIA_COLUMNS = frozenset({"image", "images", "video", "videos", "audio"})
 
@@ -121,11 +120,11 @@ def prompt_problem(prompt: Any) -> tuple[str, str] | None:
         for part in content if isinstance(content, list) else ():
             kind = part.get("type", "text") if isinstance(part, dict) else None
             if kind != "text":
-                return (
-                    f"has message {position} with a content part of type {kind or type(part).__name__!r}",
+                fix = (
                     "only text parts are supported (vision-language prompts are not supported yet, and other parts "
-                    "would be dropped silently): keep the `{'type': 'text', 'text': ...}` parts.",
+                    "would be dropped silently): keep the `{'type': 'text', 'text': ...}` parts."
                 )
+                return f"has message {position} with a content part of type {kind or type(part).__name__!r}", fix
     return None
 
 

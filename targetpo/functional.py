@@ -29,6 +29,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "high_entropy_mask",
+    "importance_sampling_weights",
     "informative_groups",
     "log_importance_ratios",
     "off_policy_sequence_mask",
@@ -43,7 +44,6 @@ __all__ = [
     "tpo_scores",
     "tpo_target_diagnostics",
     "tpo_targets",
-    "importance_sampling_weights",
     "truncated_importance_weights",
     "vespo_weights",
 ]

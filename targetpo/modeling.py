@@ -111,6 +111,14 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
     return reference.eval()
 
 
+@torch.no_grad()
+def mix_weights_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
+    """``target <- alpha * source + (1 - alpha) * target``, parameter by parameter (matched by name)."""
+    source_parameters = dict(source.named_parameters())
+    for name, parameter in target.named_parameters():
+        parameter.lerp_(source_parameters[name].detach().to(parameter.dtype), alpha)
+
+
 def forward_accepts_position_ids(model: nn.Module) -> bool:
     """Whether the (unwrapped) model's forward takes ``position_ids``; PEFT wrappers are looked through."""
     if is_peft_model(model):

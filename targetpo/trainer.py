@@ -61,6 +61,7 @@ from .modeling import (
     liger_head_problem,
     load_tokenizer,
     max_positions,
+    mix_weights_into,
     model_identifier,
     prompt_token_limit,
     require_liger,
@@ -247,6 +248,18 @@ class TargetPOTrainer(Trainer):
         micro_batch = args.per_device_train_batch_size
         if self.ref_model is not None:
             self.ref_model = prepare_frozen_model(self.accelerator, self.ref_model, micro_batch)
+        if args.sync_ref_model:
+            if self.ref_model is None:  # PEFT: the reference is the base model itself, which the adapters leave as is
+                raise ValueError(
+                    "sync_ref_model=True moves a reference copy towards the policy, but under PEFT the reference is the "
+                    "adapter-free base model, not a copy. Set sync_ref_model=False."
+                )
+            if shards_parameters(self.accelerator):
+                raise ValueError(
+                    "sync_ref_model=True is not supported with sharded weights (DeepSpeed ZeRO-3, FSDP2) yet: mixing "
+                    "the policy into the reference needs both whole. Use ZeRO-1/2 or DDP, or sync_ref_model=False."
+                )
+            self.add_callback(_SyncReferenceModel(self))
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
         self.sampling = SamplingSettings.from_config(args, tokenizer, self.accelerator.unwrap_model(self.model))
@@ -1269,3 +1282,16 @@ class _AdaptEntropyCoefficient(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._adapt_entropy_coef()
+
+
+class _SyncReferenceModel(TrainerCallback):
+    """Every ``ref_model_sync_steps`` optimiser steps, mix the policy into the reference (``sync_ref_model``)."""
+
+    def __init__(self, trainer: TargetPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % args.ref_model_sync_steps == 0:
+            trainer = self.trainer
+            unwrap = trainer.accelerator.unwrap_model
+            mix_weights_into(unwrap(trainer.ref_model), unwrap(trainer.model), args.ref_model_mixup_alpha)

@@ -216,3 +216,44 @@ def test_num_generations_eval_sets_the_evaluation_group_size(tmp_path, tiny_mode
     per_batch = [sum(spreads[i : i + 2]) / 2 for i in range(0, len(spreads), 2)]
     assert metrics["eval_reward_std"] == pytest.approx(sum(per_batch) / len(per_batch), rel=1e-6)
     assert 0 < metrics["eval_reward_std"]
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    from transformers import TrainerCallback
+
+    initial = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    seen = []
+
+    class Record(TrainerCallback):  # runs after the trainer's own callbacks
+        def on_step_end(self, args, state, control, **kwargs):
+            policy = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            reference = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+            seen.append((state.global_step, policy, reference))
+
+    args = make_config(tmp_path, beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.25, ref_model_sync_steps=2,
+                       max_steps=4, generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(tiny_model, lambda completions, **kw: [float(c.count("a")) for c in completions],
+                              args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.add_callback(Record())
+    trainer.train()
+    previous = initial
+    for step, policy, reference in seen:
+        for name, value in reference.items():
+            if step % 2 == 0:  # ref <- 0.25 * policy + 0.75 * ref
+                expected = 0.25 * policy[name] + 0.75 * previous[name]
+            else:
+                expected = previous[name]
+            torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-7)
+        previous = reference
+    assert any(not torch.equal(seen[-1][2][n], initial[n]) for n in initial), "the reference must have moved"
+
+
+def test_sync_ref_model_needs_a_reference_copy(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="beta=0 does not load"):
+        make_config(tmp_path, sync_ref_model=True)
+    with pytest.raises(ValueError, match="under PEFT the reference is the adapter-free base"):
+        TargetPOTrainer(tiny_model, lambda completions, **kw: [0.0] * len(completions),
+                        args=make_config(tmp_path, beta=0.1, sync_ref_model=True), train_dataset=prompt_dataset,
+                        processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
