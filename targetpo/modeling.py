@@ -111,6 +111,26 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
     return reference.eval()
 
 
+def cast_output_head_to_fp32(model: nn.Module) -> None:
+    """Keep the output head's weights in float32 and feed it float32 hidden states; the rest keeps its precision.
+
+    Its logits, and so the token log-probs, are then computed in float32 even when the model runs in bf16. A head
+    tied to the input embeddings is refused: casting it would cast the embeddings too.
+    """
+    base = model.get_base_model() if is_peft_model(model) else model
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError("cast_lm_head_to_fp32=True needs a model with an output head (`get_output_embeddings()`).")
+    if embeddings is not None and head.weight is embeddings.weight:
+        raise ValueError(
+            "cast_lm_head_to_fp32=True needs an output head that is not tied to the input embeddings (the model's "
+            "config has tie_word_embeddings=True): casting it would cast the embeddings too. Set "
+            "cast_lm_head_to_fp32=False."
+        )
+    head.float()
+    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+
+
 @torch.no_grad()
 def mix_weights_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
     """``target <- alpha * source + (1 - alpha) * target``, parameter by parameter (matched by name)."""
@@ -289,6 +309,7 @@ def _liger_head_logps(head: nn.Module, hidden_rows: torch.Tensor, token_rows: to
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     bias = head.bias
+    hidden_rows = hidden_rows.to(head.weight.dtype)  # a float32 head (cast_lm_head_to_fp32) gets float32 inputs
     if temperature != 1.0:  # (W h + b) / T == W (h / T) + b / T
         hidden_rows = hidden_rows / temperature
         bias = bias / temperature if bias is not None else None

@@ -52,6 +52,7 @@ from .distributed import (
 from .generation import Completions, PendingCompletions, RolloutBackend, SamplingSettings, build_rollout_backend
 from .modeling import (
     apply_peft,
+    cast_output_head_to_fp32,
     completion_logps,
     disable_dropout,
     forward_accepts_position_ids,
@@ -225,6 +226,8 @@ class TargetPOTrainer(Trainer):
                 f"generation_batch_size // num_generations = {args.generation_batch_size // args.num_generations}."
             )
 
+        if args.cast_lm_head_to_fp32:  # before the reference is copied from the policy, so it has the same head
+            cast_output_head_to_fp32(policy)
         if peft_config is not None:
             policy = apply_peft(policy, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:

@@ -257,3 +257,46 @@ def test_sync_ref_model_needs_a_reference_copy(tmp_path, tiny_model, tokenizer, 
         TargetPOTrainer(tiny_model, lambda completions, **kw: [0.0] * len(completions),
                         args=make_config(tmp_path, beta=0.1, sync_ref_model=True), train_dataset=prompt_dataset,
                         processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+
+
+def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_path, tokenizer, prompt_dataset):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
+    args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert trainer.ref_model.lm_head.weight.dtype == torch.float32  # the reference has the same head
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    logps, _ = trainer._token_logps(trainer.model, batch)
+    # By hand: the bf16 body's last hidden states, then the float32 head on float32 inputs.
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_attention_mask"]], dim=1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=attention, position_ids=positions).last_hidden_state
+        logits = hidden[:, batch["prompt_ids"].size(1) - 1 : -1].float() @ model.lm_head.weight.T
+    suppressed = trainer._suppressed_token_ids
+    logits[..., suppressed] = float("-inf")
+    expected = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["completion_attention_mask"].bool()
+    torch.testing.assert_close(logps[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    # A bf16 head's log-probs differ by far more than the tolerance above.
+    bf16_logits = (hidden[:, batch["prompt_ids"].size(1) - 1 : -1] @ model.lm_head.weight.T.to(torch.bfloat16)).float()
+    bf16_logits[..., suppressed] = float("-inf")
+    bf16 = torch.log_softmax(bf16_logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    assert (bf16[mask] - expected[mask]).abs().max() > 1e-4
+
+
+def test_cast_lm_head_to_fp32_refuses_a_tied_head(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    with pytest.raises(ValueError, match="not tied to the input embeddings"):
+        TargetPOTrainer(tiny_model, lambda completions, **kw: [0.0] * len(completions),
+                        args=make_config(tmp_path, cast_lm_head_to_fp32=True), train_dataset=prompt_dataset,
+                        processing_class=tokenizer)
