@@ -405,7 +405,8 @@ def completion_logps(
     chunk_size: int | None = None,
     liger: bool = False,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    router_aux_loss: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
 
     Prompts are left-padded and completions right-padded; columns no row uses are cut before the forward pass, and
@@ -419,7 +420,9 @@ def completion_logps(
     skipped (their log-probs read 0), and the backward pass recomputes each chunk. Otherwise the model computes the
     completion positions' logits in one piece. ``liger`` (with a ``chunk_size``, for a plain linear head and no
     suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel. The entropies carry a
-    gradient only with ``entropy_grad`` (an entropy bonus in the loss); otherwise they are a metric.
+    gradient only with ``entropy_grad`` (an entropy bonus in the loss); otherwise they are a metric. With
+    ``router_aux_loss`` (mixture-of-experts models) the forward pass also computes the router's load-balancing loss,
+    returned as a third value.
     """
     completion_length = completion_ids.size(1)
     first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
@@ -433,6 +436,8 @@ def completion_logps(
     inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
     if use_position_ids:
         inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if router_aux_loss:
+        inputs["output_router_logits"] = True
     kept_ids = completion_ids[:, :last_completion_column]
     if suppressed_token_ids is not None:
         suppressed_token_ids = suppressed_token_ids.to(input_ids.device)
@@ -441,6 +446,7 @@ def completion_logps(
         # Through the (possibly wrapped) model, so distributed wrappers see the forward pass; it computes one
         # position's logits, and the head then runs chunk by chunk on the final hidden states.
         outputs = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+        aux_loss = getattr(outputs, "aux_loss", None)
         hidden = outputs.hidden_states[-1][:, -(last_completion_column + 1) : -1]
         kept_mask = completion_attention_mask[:, :last_completion_column].bool()
         logps, entropies = _chunked_head_logps(
@@ -458,7 +464,9 @@ def completion_logps(
         entropies = entropies if with_entropy else None
     else:
         # Logits for the positions that predict completion tokens only: the prompt's logits are never needed.
-        logits = model(**inputs, logits_to_keep=last_completion_column + 1, use_cache=False).logits[:, :-1]
+        outputs = model(**inputs, logits_to_keep=last_completion_column + 1, use_cache=False)
+        aux_loss = getattr(outputs, "aux_loss", None)
+        logits = outputs.logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
         if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
@@ -470,4 +478,6 @@ def completion_logps(
     if pad > 0:
         logps = nn.functional.pad(logps, (0, pad))
         entropies = nn.functional.pad(entropies, (0, pad)) if entropies is not None else None
+    if router_aux_loss:
+        return logps, entropies, aux_loss
     return logps, entropies

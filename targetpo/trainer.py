@@ -310,8 +310,12 @@ class TargetPOTrainer(Trainer):
             self.add_callback(_AdaptEntropyCoefficient(self))
         # Rows whose policy-loss gradient is exactly 0 can be left out only while nothing else trains on them: no KL
         # term, no entropy bonus, and no entropy quantile ranked over all of the batch's tokens.
+        # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
+        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
+        is_moe = getattr(text_config, "output_router_logits", None) is not None
+        self._router_aux_loss = is_moe and args.router_aux_loss_coef != 0
         self._zero_gradient_rows_are_exact = (
-            args.beta == 0 and not self._entropy_bonus and args.top_entropy_quantile == 1
+            args.beta == 0 and not self._entropy_bonus and args.top_entropy_quantile == 1 and not self._router_aux_loss
         )
         if self._importance_sampling and self.sampling.reshapes_distribution:
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
@@ -828,10 +832,12 @@ class TargetPOTrainer(Trainer):
         with_entropy: bool = False,
         rows: torch.Tensor | None = None,
         entropy_grad: bool = False,
+        aux_loss_sink: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token completion log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them.
 
-        With ``rows`` (bool), only those rows go through the model; the others read 0 and carry no gradient.
+        With ``rows`` (bool), only those rows go through the model; the others read 0 and carry no gradient. With
+        ``aux_loss_sink`` (a list) the forward pass's router load-balancing loss is appended to it.
         """
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")
         if rows is None or bool(rows.all()):
@@ -845,17 +851,21 @@ class TargetPOTrainer(Trainer):
             lengths = batch["prompt_mask"].sum(dim=1) + batch["completion_attention_mask"].sum(dim=1)
             selected = lengths.argmin().reshape(1)
         inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
-        logps, entropies = completion_logps(
+        results = completion_logps(
             model,
             *inputs,
             temperature=self.args.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            router_aux_loss=aux_loss_sink is not None,
             use_position_ids=self._use_position_ids,
             suppressed_token_ids=self._suppressed_token_ids,
             chunk_size=self._logps_chunk_size,
             liger=self._liger_logps,
         )
+        logps, entropies = results[:2]
+        if aux_loss_sink is not None:  # a mixture-of-experts model's router load-balancing loss
+            aux_loss_sink.append(results[2])
         if selected is None:
             return logps, entropies
         shape = batch["completion_ids"].shape
@@ -886,17 +896,23 @@ class TargetPOTrainer(Trainer):
         # (and their groups) in its averages, which is what their zero gradient contributes.
         mask = inputs["completion_mask"] if rows is None else inputs["completion_mask"] * rows.unsqueeze(-1)
         valid = inputs["valid"] if rows is None else inputs["valid"] & rows
+        aux_losses = [] if self._router_aux_loss else None
         # A forward pass that fails, or gives non-finite log-probs, on one process stops every process before the
         # collectives below. A sharded model's forward is itself collectives: it runs before the guarded block. (DDP's
         # forward opens with a buffer broadcast, which every process reaches: nothing that can fail precedes it.)
         if self._sharded:
             per_token_logps, entropies = self._token_logps(
-                model, inputs, with_entropy=True, rows=rows, entropy_grad=self._entropy_bonus
+                model, inputs, with_entropy=True, rows=rows, entropy_grad=self._entropy_bonus, aux_loss_sink=aux_losses
             )
         with self._failures_reach_every_process("computing the policy's token log-probs"):
             if not self._sharded:
                 per_token_logps, entropies = self._token_logps(
-                    model, inputs, with_entropy=True, rows=rows, entropy_grad=self._entropy_bonus
+                    model,
+                    inputs,
+                    with_entropy=True,
+                    rows=rows,
+                    entropy_grad=self._entropy_bonus,
+                    aux_loss_sink=aux_losses,
                 )
             self._require_finite_logps(per_token_logps, mask)
         if rows is not None:
@@ -923,6 +939,9 @@ class TargetPOTrainer(Trainer):
             self._log_mean(mode, "kl", kl.detach())
         if self._entropy_bonus:
             loss = loss - self._entropy_bonus_term(entropies, inputs, mask, trained_tokens, mode)
+        if aux_losses:
+            loss = loss + args.router_aux_loss_coef * aux_losses[0]
+            self._log_mean(mode, "aux_loss", aux_losses[0].detach())
         self._log_token_mean(mode, "entropy", entropies.detach(), mask)
         # Stop before backward, on every process together: a non-finite loss would put NaN into every weight.
         with self._failures_reach_every_process("checking the loss"):

@@ -300,3 +300,40 @@ def test_cast_lm_head_to_fp32_refuses_a_tied_head(tmp_path, tiny_model, tokenize
         TargetPOTrainer(tiny_model, lambda completions, **kw: [0.0] * len(completions),
                         args=make_config(tmp_path, cast_lm_head_to_fp32=True), train_dataset=prompt_dataset,
                         processing_class=tokenizer)
+
+
+def tiny_moe(tokenizer):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(config)
+
+
+def test_router_aux_loss_joins_the_loss_of_a_mixture_of_experts_model(tmp_path, tokenizer, prompt_dataset):
+    model = tiny_moe(tokenizer)
+    reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
+    losses = {}
+    for coef in (0.0, 0.5):
+        args = make_config(tmp_path, router_aux_loss_coef=coef, generation_kwargs=few_letters(tokenizer))
+        trainer = TargetPOTrainer(model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+        trainer.model.train()
+        if coef == 0.0:
+            batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        with torch.no_grad():
+            losses[coef] = trainer.compute_loss(trainer.model, dict(batch, targets=None)).item()
+    # By hand: the model's own load-balancing loss over the prompt and completion tokens it attends to.
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_attention_mask"]], dim=1)
+    used = attention.any(dim=0)  # columns no row attends to are left out, as the trainer's forward does
+    ids, attention = ids[:, used], attention[:, used]
+    with torch.no_grad():
+        aux = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                    output_router_logits=True).aux_loss.item()
+    assert aux > 0.1
+    assert losses[0.5] - losses[0.0] == pytest.approx(0.5 * aux, rel=1e-4)
