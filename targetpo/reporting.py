@@ -21,6 +21,8 @@ class RolloutTable:
     total_rewards: list[float]
     rollout: int = 0  # which rollout this is, so targets of a later one are not written into it
     targets: list[float] = field(default_factory=list)  # q per completion; NaN until its step computes it
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # columns reward functions logged (log_extra)
+    unique_prompts: bool = False  # write each prompt once, on its first completion's row
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -50,13 +52,33 @@ def print_completions_table(table: RolloutTable, max_rows: int | None = None, co
         view.add_column(name, justify="right")
     view.add_column("Reward", justify="right", style="bold")
     view.add_column("Target q", justify="right", style="cyan")
+    for name in table.extra:
+        view.add_column(name, overflow="fold", max_width=30)
     rows = len(table.completions) if max_rows is None else min(max_rows, len(table.completions))
     for index in range(rows):
+        repeated = table.unique_prompts and index > 0 and table.prompts[index] == table.prompts[index - 1]
         view.add_row(
-            _text(table.prompts[index]),
+            "" if repeated else _text(table.prompts[index]),
             _text(table.completions[index]),
             *(_number(scores[index]) for scores in table.rewards.values()),
             _number(table.total_rewards[index]),
             _number(table.targets[index]),
+            *(_text(values[index]) for values in table.extra.values()),
         )
     (console or Console()).print(view)
+
+
+def push_completions_table(table: RolloutTable, repo_id: str, private: bool | None = None, token: str | None = None):
+    """Push the table to a Hub dataset repository, as the split ``step_<step>`` (one split per logged step)."""
+    import datasets
+
+    columns = {
+        "step": [table.step] * len(table.completions),
+        "prompt": table.prompts,
+        "completion": table.completions,
+        **{f"reward/{name}": scores for name, scores in table.rewards.items()},
+        "reward": table.total_rewards,
+        "target_q": table.targets,
+        **{name: [None if value is None else str(value) for value in values] for name, values in table.extra.items()},
+    }
+    datasets.Dataset.from_dict(columns).push_to_hub(repo_id, split=f"step_{table.step}", private=private, token=token)

@@ -8,6 +8,7 @@ a ``PreTrainedModel`` for sequence classification (or its id) whose first logit 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -64,6 +65,29 @@ def check_reward_output(output: Any, name: str, expected: int) -> list[float]:
             "exactly one (a number or None) per completion."
         )
     return [_as_score(value, name, index) for index, value in enumerate(output)]
+
+
+class RewardLogs:
+    """What reward functions log during one rollout, through the ``log_extra`` and ``log_metric`` arguments they get:
+    extra columns for the completions table (a value per completion) and scalar metrics (averaged at each log)."""
+
+    def __init__(self, num_completions: int):
+        self.num_completions = num_completions
+        self.columns: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        if len(values) != self.num_completions:
+            raise ValueError(
+                f"log_extra({column!r}, ...) got {len(values)} values for {self.num_completions} completions: give one "
+                "value per completion."
+            )
+        self.columns[column] = list(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise ValueError(f"log_metric({name!r}, ...) needs a number, got {type(value).__name__}.")
+        self.metrics.setdefault(name, []).append(float(value))
 
 
 class RewardScorer:
@@ -161,25 +185,41 @@ class RewardScorer:
         trainer_state: Any,
         device: torch.device,
         models: bool = True,
+        run_async: Callable[[list[Any]], list[Any]] | None = None,
     ) -> torch.Tensor:
         """Scores of every completion under every reward function: ``(N, F)`` float32, NaN where one returned None.
 
-        With ``models=False`` the reward models' columns stay NaN, for :meth:`score_models` to fill in.
+        With ``models=False`` the reward models' columns stay NaN, for :meth:`score_models` to fill in. Async reward
+        functions are awaited together, concurrently, through ``run_async`` (awaitables -> results or exceptions).
         """
         scores = torch.full((len(prompts), len(self.funcs)), math.nan, dtype=torch.float32)
+        arguments = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+            "trainer_state": trainer_state,
+        }
+        pending: dict[int, Any] = {}  # column -> the awaitable of an async reward function
         for index, (func, name) in enumerate(zip(self.funcs, self.names)):
             if self.is_model[index]:
                 continue
             try:
-                output = func(
-                    prompts=prompts,
-                    completions=completions,
-                    completion_ids=completion_ids,
-                    **columns,
-                    trainer_state=trainer_state,
-                )
+                output = func(**arguments)
             except Exception as error:
                 raise ValueError(f"Reward function '{name}' raised {type(error).__name__}: {error}") from error
+            if inspect.isawaitable(output):
+                pending[index] = output
+            else:
+                scores[:, index] = torch.tensor(check_reward_output(output, name, len(prompts)))
+        if pending and run_async is None:
+            for awaitable in pending.values():
+                getattr(awaitable, "close", lambda: None)()
+            raise ValueError("Async reward functions need an event loop to run on: pass `run_async`.")
+        for index, output in zip(pending, run_async(list(pending.values())) if pending else []):
+            name = self.names[index]
+            if isinstance(output, Exception):
+                raise ValueError(f"Reward function '{name}' raised {type(output).__name__}: {output}") from output
             scores[:, index] = torch.tensor(check_reward_output(output, name, len(prompts)))
         scores = scores.to(device)
         return self.score_models(scores, prompts, completions, device) if models else scores

@@ -77,8 +77,8 @@ from .multi_turn import (
     left_pad,
     with_environment_reward,
 )
-from .reporting import RolloutTable, print_completions_table
-from .rewards import RewardFunc, RewardScorer
+from .reporting import RolloutTable, print_completions_table, push_completions_table
+from .rewards import RewardFunc, RewardLogs, RewardScorer
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 
 Batch = dict[str, Any]
@@ -91,7 +91,9 @@ ROLLOUT_DIAGNOSTICS = {
 }
 
 #: Reward functions receive these by name; a dataset column may not use them.
-RESERVED_REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+RESERVED_REWARD_ARGUMENTS = frozenset(
+    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+)
 
 
 def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrainedModel:
@@ -176,6 +178,15 @@ class TargetPOTrainer(Trainer):
             args.check_eval_batch_size()
         if args.use_liger_kernel:
             require_liger(args.device)
+        if args.log_completions_hub_repo is not None:
+            from huggingface_hub.constants import HF_HUB_OFFLINE
+
+            if HF_HUB_OFFLINE:
+                raise ValueError(
+                    f"log_completions_hub_repo={args.log_completions_hub_repo!r} pushes the completions to the Hugging "
+                    "Face Hub, but the Hub is switched off (HF_HUB_OFFLINE=1). Unset log_completions_hub_repo, or run "
+                    "with Hub access."
+                )
 
         self.tools = list(tools or [])
         self.rollout_func = rollout_func
@@ -361,6 +372,7 @@ class TargetPOTrainer(Trainer):
         self._rollout_count = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._completion_table: RolloutTable | None = None
+        self._pushed_rollout: int | None = None  # the last rollout pushed to log_completions_hub_repo
         self._warned_unscored = False
         # Each process samples its own completions (a group split over processes must not repeat itself), and the
         # same seed still reproduces the same run.
@@ -529,8 +541,16 @@ class TargetPOTrainer(Trainer):
             else:  # the table shows the conversation too
                 reward_completions = conversations
                 completion_texts = [conversation_text(conversation) for conversation in conversations]
+            reward_logs = RewardLogs(len(prompts))
             scores_per_func = self.reward_scorer.score(
-                prompts, reward_completions, completion_id_lists, columns, self.state, device, models=not self._sharded
+                prompts,
+                reward_completions,
+                completion_id_lists,
+                {**columns, "log_extra": reward_logs.log_extra, "log_metric": reward_logs.log_metric},
+                self.state,
+                device,
+                models=not self._sharded,
+                run_async=self._async_runner.run,
             )
         if self._sharded:
             scores_per_func = self.reward_scorer.score_models(scores_per_func, prompts, reward_completions, device)
@@ -589,8 +609,9 @@ class TargetPOTrainer(Trainer):
 
         self._rollout_count += 1
         batch["rollout"] = self._rollout_count
+        extra_columns = self._record_reward_logs(reward_logs, mode)
         if mode == "train" and args.log_completions:
-            self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all)
+            self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all, extra_columns)
         if args.loss_type == "tpo" and "old_per_token_logps" in batch:
             old_sequence_logps = F.sequence_logps(
                 batch["old_per_token_logps"], completion_mask, args.tpo_length_normalize_logps
@@ -1231,8 +1252,23 @@ class TargetPOTrainer(Trainer):
         if mode == "train" and table is not None and table.rollout == batch["rollout"]:
             table.fill_targets(sample_index[built].tolist(), targets[built].tolist())
 
+    def _record_reward_logs(self, logs: RewardLogs, mode: str) -> dict[str, list[Any]]:
+        """Average the metrics reward functions logged over every process; return their extra columns, gathered (a
+        process that logged no such column contributes None for each of its completions)."""
+        per_process = gather_object([(logs.metrics, logs.columns, logs.num_completions)])
+        for name in sorted({name for metrics, _, _ in per_process for name in metrics}):
+            values = [value for metrics, _, _ in per_process for value in metrics.get(name, [])]
+            self._metrics[mode][name].append(sum(values) / len(values))
+        names = sorted({name for _, columns, _ in per_process for name in columns})
+        return {name: [v for _, cols, n in per_process for v in cols.get(name, [None] * n)] for name in names}
+
     def _record_completion_table(
-        self, prompts: list[Any], completions: list[str], scores_per_func: torch.Tensor, scores_all: torch.Tensor
+        self,
+        prompts: list[Any],
+        completions: list[str],
+        scores_per_func: torch.Tensor,
+        scores_all: torch.Tensor,
+        extra_columns: dict[str, list[Any]] | None = None,
     ) -> None:
         prompt_texts = gather_object(self._render_prompts(prompts))
         completion_texts = gather_object(completions)
@@ -1244,6 +1280,8 @@ class TargetPOTrainer(Trainer):
             rewards={name: per_func[:, index].tolist() for index, name in enumerate(self.reward_scorer.names)},
             total_rewards=scores_all.tolist(),
             rollout=self._rollout_count,
+            extra=extra_columns or {},
+            unique_prompts=self.args.log_unique_prompts,
         )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -1261,6 +1299,17 @@ class TargetPOTrainer(Trainer):
             and self.accelerator.is_main_process
         ):
             print_completions_table(self._completion_table, self.args.num_completions_to_print)
+            if (
+                self.args.log_completions_hub_repo is not None
+                and self._pushed_rollout != self._completion_table.rollout
+            ):
+                self._pushed_rollout = self._completion_table.rollout  # each rollout once, at its first log
+                push_completions_table(
+                    self._completion_table,
+                    self.args.log_completions_hub_repo,
+                    private=self.args.hub_private_repo,
+                    token=self.args.hub_token,
+                )
 
 
 def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:

@@ -337,3 +337,111 @@ def test_router_aux_loss_joins_the_loss_of_a_mixture_of_experts_model(tmp_path, 
                     output_router_logits=True).aux_loss.item()
     assert aux > 0.1
     assert losses[0.5] - losses[0.0] == pytest.approx(0.5 * aux, rel=1e-4)
+
+
+def test_async_reward_functions_are_awaited_together(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    import asyncio
+
+    meeting = {}
+
+    async def first(completions, **kwargs):
+        # Waits for the second function: only finishes if both run at the same time.
+        meeting["first"] = asyncio.Event()
+        await asyncio.wait_for(_second_started(meeting), timeout=10)
+        return [float(len(c)) for c in completions]
+
+    async def second(completions, **kwargs):
+        meeting["second"] = True
+        await asyncio.sleep(0)
+        return [float(c.count("a")) for c in completions]
+
+    def plain(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    args = make_config(tmp_path, log_completions=True, generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(tiny_model, [first, plain, second], args=args, train_dataset=prompt_dataset,
+                              processing_class=tokenizer)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    texts = trainer._completion_table.completions
+    expected = [len(t) + 1.0 + t.count("a") for t in texts]
+    assert batch["scores"].tolist() == pytest.approx(expected)
+    assert trainer._completion_table.rewards["second"] == [float(t.count("a")) for t in texts]
+
+
+async def _second_started(meeting):
+    import asyncio
+
+    while "second" not in meeting:
+        await asyncio.sleep(0.001)
+
+
+def test_an_async_reward_function_that_raises_is_named(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    async def broken(completions, **kwargs):
+        raise RuntimeError("no judge")
+
+    trainer = TargetPOTrainer(tiny_model, broken, args=make_config(tmp_path), train_dataset=prompt_dataset,
+                              processing_class=tokenizer)
+    trainer.model.train()
+    with pytest.raises(ValueError, match="Reward function 'broken' raised RuntimeError: no judge"):
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    from rich.console import Console
+
+    from targetpo.reporting import print_completions_table
+
+    def judged(completions, log_extra, log_metric, **kwargs):
+        lengths = [len(c) for c in completions]
+        log_metric("judge/mean_length", sum(lengths) / len(lengths))
+        log_metric("judge/mean_length", 100.0)  # two values in one rollout: averaged with the first
+        log_extra("verdict", ["long" if n > 2 else "short" for n in lengths])
+        return [float(n) for n in lengths]
+
+    args = make_config(tmp_path, log_completions=True, log_unique_prompts=True, max_steps=1,
+                       generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(tiny_model, judged, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.train()
+    table = trainer._completion_table
+    lengths = [len(c) for c in table.completions]
+    assert table.extra["verdict"] == ["long" if n > 2 else "short" for n in lengths]
+    logged = trainer.state.log_history[0]["judge/mean_length"]
+    assert logged == pytest.approx((sum(lengths) / len(lengths) + 100.0) / 2)
+    console = Console(record=True, width=250)
+    print_completions_table(table, console=console)
+    text = console.export_text()
+    assert "verdict" in text and "short" in text
+    # log_unique_prompts: each prompt is written once, on its group's first row.
+    for prompt in set(table.prompts):
+        assert text.count(prompt) == 1
+    with pytest.raises(ValueError, match="log_extra\\('x', ...\\) got 1 values for 8 completions"):
+        TargetPOTrainer(
+            tiny_model, lambda completions, log_extra, **kw: log_extra("x", [1]) or [0.0] * len(completions),
+            args=make_config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer,
+        ).train()
+
+
+def test_log_completions_hub_repo_is_refused_offline_and_pushes_each_logged_table(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch
+):
+    import datasets
+    import huggingface_hub.constants
+
+    args = make_config(tmp_path, log_completions=True, log_completions_hub_repo="me/completions", max_steps=2,
+                       hub_private_repo=True)
+    reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    with pytest.raises(ValueError, match="the Hub is switched off \\(HF_HUB_OFFLINE=1\\)"):
+        TargetPOTrainer(tiny_model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    # The Hub itself cannot be reached here: the push is recorded at datasets' boundary instead.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    pushed = []
+    monkeypatch.setattr(datasets.Dataset, "push_to_hub", lambda self, repo, **kw: pushed.append((repo, kw, self.to_dict())))
+    trainer = TargetPOTrainer(tiny_model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.train()
+    assert [(repo, kw["split"], kw["private"]) for repo, kw, _ in pushed] == [
+        ("me/completions", "step_0", True), ("me/completions", "step_1", True)
+    ]
+    rows = pushed[-1][2]
+    assert rows["completion"] == trainer._completion_table.completions
+    assert rows["reward"] == pytest.approx([float(len(c)) for c in rows["completion"]])

@@ -523,7 +523,7 @@ def test_remove_unused_columns_keeps_only_the_prompt(tmp_path, tiny_model, token
 
     args = make_config(tmp_path, remove_unused_columns=True, max_steps=1)
     TargetPOTrainer(tiny_model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer).train()
-    assert received == {"prompts", "completion_ids", "trainer_state"}  # no 'answer' column
+    assert received == {"prompts", "completion_ids", "trainer_state", "log_extra", "log_metric"}  # no "answer" column
 
 
 def cat_only_reward(prompts, completions, **kwargs):
