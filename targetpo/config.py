@@ -238,8 +238,9 @@ class GRPOConfig(TrainingArguments):
     vllm_model_impl: str = field(
         default="vllm",
         metadata={
-            "help": "Colocate mode: vLLM's model implementation, 'vllm' (its own) or 'transformers' (the model's "
-            "transformers code run by vLLM). Server mode: pass --model-impl to the server.",
+            "help": "Colocate mode: vLLM's model implementation, 'vllm' (its own) or 'auto'. 'transformers' is refused "
+            "in colocate mode (it would wrap the trainer's own model classes); with a server pass --model-impl "
+            "transformers to `vllm serve` instead.",
             "choices": ("vllm", "transformers", "auto"),
         },
     )

@@ -332,7 +332,8 @@ class TargetPOTrainer(Trainer):
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
             # their ratio would measure the truncation, not an implementation mismatch.
             warnings.warn(
-                "vllm_importance_sampling_correction is switched off: with top_p, top_k, min_p or repetition_penalty "
+                "vllm_importance_sampling_correction is switched off: with top_p, top_k, min_p, repetition_penalty or "
+                "vllm_structured_outputs_regex "
                 "the engine's sampling log-probs include that reshaping and the trainer's do not, so the weights would "
                 "shrink every gradient. Sample without them to use the correction.",
                 stacklevel=2,
@@ -394,6 +395,7 @@ class TargetPOTrainer(Trainer):
                 self._generation_model,
                 self._sharded,
                 max_model_len,
+                self.processing_class,
             )
             self._weights_version = None
         return self._rollout_backend

@@ -7,6 +7,7 @@ timeout test needs no engine.
 import importlib.util
 import json
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -437,3 +438,27 @@ def test_multi_turn_rollouts_through_the_server_with_two_training_processes(tmp_
     mp.spawn(multi_turn_server_worker, args=(2, free_port(), served, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         assert_multi_turn_rollouts_match_the_engine(json.loads((tmp_path / f"history_rank{rank}.json").read_text()))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_colocate_engine_follows_a_regular_expression(tmp_path):
+    seen = []
+
+    def reward(completions: list, **kwargs):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    args = reverse_config(tmp_path, vllm_mode="colocate", vllm_structured_outputs_regex="(10)+", max_steps=1)
+    with pytest.warns(UserWarning, match="vllm_structured_outputs_regex"):
+        trainer = make_trainer(args)
+    trainer.reward_scorer.funcs = [reward]  # the completions as text, in place of the reversal reward
+    trainer.train()
+    assert len(seen) == 64
+    assert all(re.fullmatch("(10)+", text) for text in seen), seen
+
+
+def test_colocate_mode_refuses_vllms_transformers_implementation(tmp_path):
+    with pytest.raises(ValueError, match="cannot run in colocate mode.*--model-impl"):
+        make_trainer(reverse_config(tmp_path, vllm_mode="colocate", vllm_model_impl="transformers"))

@@ -34,6 +34,7 @@ def build_rollout_backend(
     generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
     sharded: bool,
     max_model_len: int | None,
+    tokenizer: Any = None,
 ) -> RolloutBackend:
     """The backend the config asks for: ``use_vllm`` and ``vllm_mode`` choose among the three."""
     if not args.use_vllm:
@@ -48,7 +49,14 @@ def build_rollout_backend(
 
     from .vllm_backend import VLLMColocateBackend
 
-    engine_kwargs: dict[str, Any] = {}
+    if args.vllm_model_impl == "transformers":
+        raise ValueError(
+            "vllm_model_impl='transformers' cannot run in colocate mode: vLLM's transformers implementation wraps the "
+            "transformers model classes of the whole process, and the trainer's own model (the same classes) then "
+            "fails in its forward pass. Use vllm_model_impl='vllm', or serve the model with `--model-impl "
+            "transformers` and vllm_mode='server'."
+        )
+    engine_kwargs: dict[str, Any] = {"model_impl": args.vllm_model_impl}
     if accelerator.num_processes > 1:
         if args.vllm_tensor_parallel_size > 1:
             # The processes of one tensor-parallel engine would have to submit identical requests.
@@ -62,6 +70,7 @@ def build_rollout_backend(
     return VLLMColocateBackend(
         policy,
         settings,
+        tokenizer,
         max_model_len=args.vllm_max_model_length or max_model_len,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         tensor_parallel_size=args.vllm_tensor_parallel_size,

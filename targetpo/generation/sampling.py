@@ -26,6 +26,7 @@ class SamplingSettings:
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_implementation: str | None = None  # model.generate's KV cache; vLLM manages its own
+    structured_outputs_regex: str | None = None  # vLLM only: every completion matches this regular expression
 
     @classmethod
     def from_config(cls, args: Any, tokenizer: Any, model: Any) -> SamplingSettings:
@@ -45,12 +46,15 @@ class SamplingSettings:
             repetition_penalty=args.repetition_penalty,
             generation_kwargs=dict(args.generation_kwargs or {}),
             cache_implementation=getattr(args, "cache_implementation", None),
+            structured_outputs_regex=getattr(args, "vllm_structured_outputs_regex", None),
         )
 
     @property
     def reshapes_distribution(self) -> bool:
-        """Whether sampling truncates or penalises the tempered distribution (top-p, top-k, min-p, repetition)."""
-        return self.top_p < 1 or self.top_k > 0 or bool(self.min_p) or self.repetition_penalty != 1
+        """Whether sampling truncates, penalises or constrains the tempered distribution (top-p, top-k, min-p,
+        repetition, a regular expression)."""
+        truncated = self.top_p < 1 or self.top_k > 0 or bool(self.min_p) or self.repetition_penalty != 1
+        return truncated or self.structured_outputs_regex is not None
 
     @property
     def suppressed_token_ids(self) -> list[int]:
@@ -95,5 +99,7 @@ class SamplingSettings:
         suppressed = extra.pop("suppress_tokens", None)
         if suppressed:
             fields["logit_bias"] = {int(token): -100.0 for token in suppressed}
+        if self.structured_outputs_regex is not None:
+            fields["structured_outputs"] = {"regex": self.structured_outputs_regex}
         fields.update(extra)
         return fields

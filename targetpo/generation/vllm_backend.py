@@ -9,6 +9,7 @@ the very tensors the policy exports. Server mode is in ``vllm_server.py``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import tempfile
@@ -39,6 +40,11 @@ def import_vllm() -> Any:
 def make_sampling_params(settings: dict[str, Any], seed: int | None) -> Any:
     """``vllm.SamplingParams`` from :meth:`SamplingSettings.vllm_fields`, with an error naming any field vLLM refuses."""
     vllm = import_vllm()
+    settings = dict(settings)
+    if isinstance(settings.get("structured_outputs"), dict):  # JSON-able in the fields, an object for the engine
+        from vllm.sampling_params import StructuredOutputsParams
+
+        settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
     try:
         return vllm.SamplingParams(**settings, seed=seed)
     except (TypeError, ValueError) as error:
@@ -93,7 +99,9 @@ class VLLMEngine:
                 tensor_parallel_size=tensor_parallel_size,
                 enable_sleep_mode=enable_sleep_mode,
                 seed=seed,
-                skip_tokenizer_init=True,  # prompts arrive as token ids; the trainer owns the tokenizer
+                # Prompts arrive as token ids and the trainer owns the tokenizer: the engine needs none, unless it
+                # constrains sampling to a regular expression.
+                skip_tokenizer_init=engine_kwargs.pop("skip_tokenizer_init", True),
                 logprobs_mode="processed_logprobs",
                 **engine_kwargs,
             )
@@ -197,7 +205,11 @@ def _lora_deltas(model: nn.Module) -> dict[str, torch.Tensor] | None:
             continue
         if not isinstance(module, LoraLayer) or getattr(module, "merged", False):
             return None
-        active = [adapter for adapter in module.active_adapters if adapter in module.lora_A or adapter in module.lora_embedding_A]
+        active = [
+            adapter
+            for adapter in module.active_adapters
+            if adapter in module.lora_A or adapter in module.lora_embedding_A
+        ]
         if active:
             deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(adapter) for adapter in active)
     return deltas
@@ -235,14 +247,23 @@ class VLLMColocateBackend(RolloutBackend):
 
     holds_weights = True
 
-    def __init__(self, policy: nn.Module, settings: SamplingSettings, **engine_kwargs: Any):
+    def __init__(self, policy: nn.Module, settings: SamplingSettings, tokenizer: Any = None, **engine_kwargs: Any):
         self.settings = settings
         self.fields = settings.vllm_fields()
         make_sampling_params(self.fields, seed=None)  # refuse unknown fields before the engine is built
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
         with tempfile.TemporaryDirectory(prefix="targetpo-vllm-") as config_dir:
-            base.config.save_pretrained(config_dir)
+            config = copy.deepcopy(base.config)
+            # A model built from a config names no architecture; the engine picks its model class by that name.
+            config.architectures = config.architectures or [type(base).__name__]
+            config.save_pretrained(config_dir)
+            if settings.structured_outputs_regex is not None:
+                # The engine compiles the regular expression against the vocabulary: it needs the tokenizer.
+                if tokenizer is None:
+                    raise ValueError("vllm_structured_outputs_regex needs the policy's tokenizer for the engine.")
+                tokenizer.save_pretrained(config_dir)
+                engine_kwargs["skip_tokenizer_init"] = False
             self.engine = VLLMEngine(config_dir, dtype=dtype, load_format="dummy", **engine_kwargs)
         self._awake = False  # inside a session: the engine stays awake between generate calls
 
