@@ -27,14 +27,14 @@ def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
     """Refuse datasets the trainer cannot use, before any model work starts: every row's prompt is checked."""
     if dataset is None:
         return
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+    if not is_stream(dataset) and not hasattr(dataset, "__getitem__"):
         raise ValueError(
-            f"The {split} dataset must be a map-style dataset with a length (e.g. `datasets.Dataset`), not a "
-            f"{type(dataset).__name__}: prompts are sampled by index so that each is repeated num_generations times."
+            f"The {split} dataset must be a map-style dataset (e.g. `datasets.Dataset`) or a stream (e.g. "
+            f"`datasets.IterableDataset`), not a {type(dataset).__name__}."
         )
-    if len(dataset) == 0:
+    first = first_row(dataset)
+    if first is None:
         raise ValueError(f"The {split} dataset is empty: it needs at least one row with a 'prompt'.")
-    first = dataset[0]
     if not isinstance(first, dict) or "prompt" not in first:
         columns = list(first.keys()) if isinstance(first, dict) else type(first).__name__
         raise ValueError(
@@ -50,7 +50,9 @@ def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
             f"with `dataset.remove_columns({media})`."
         )
     first_is_text = None
-    for index, prompt in enumerate(_prompts(dataset, split)):
+    # A stream is read once, while training: its first row is checked now, the others as they arrive (RolloutStream).
+    prompts = [first["prompt"]] if is_stream(dataset) else _prompts(dataset, split)
+    for index, prompt in enumerate(prompts):
         problem = prompt_problem(prompt)
         if problem is not None:
             raise ValueError(
@@ -186,6 +188,87 @@ class RolloutRows(torch.utils.data.Dataset):
         if upcoming:
             row[UPCOMING_ROW] = self.dataset[upcoming[0]] if upcoming[0] >= 0 else None
         return row
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is read by iterating (a ``datasets.IterableDataset``, a torch ``IterableDataset``), not by
+    index."""
+    return isinstance(dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)) or (
+        dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "__iter__")
+    )
+
+
+def first_row(dataset: Any) -> Any:
+    """The dataset's first row, also for a stream (which is read again from its start afterwards)."""
+    if is_stream(dataset):
+        return next(iter(dataset), None)
+    return dataset[0] if len(dataset) else None
+
+
+def check_streaming_supported(args: Any) -> None:
+    """Refuse the settings a streamed dataset cannot serve, before any model work starts."""
+    if args.async_rollouts:
+        raise ValueError(
+            "async_rollouts=True needs a map-style train dataset: the next rollout's prompts are read ahead by index. "
+            "Set async_rollouts=False, or load the data as a `datasets.Dataset` (without `streaming=True`)."
+        )
+    if args.dataloader_num_workers > 0:
+        raise ValueError(
+            f"dataloader_num_workers={args.dataloader_num_workers} with a streamed dataset would read the stream once "
+            "per worker, repeating every prompt. Set dataloader_num_workers=0."
+        )
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError(
+            "accelerator_config.dispatch_batches=True sends batches from the main process, which cannot carry prompt "
+            "rows; with a streamed dataset each process reads the stream itself. Leave dispatch_batches unset."
+        )
+
+
+class RolloutStream(torch.utils.data.IterableDataset):
+    """A streamed dataset's rows in the order a :class:`RepeatSampler` gives a map-style one's (without shuffling).
+
+    The stream is read ``prompts_per_rollout`` prompts at a time; each chunk is served ``repeat_count`` times, each
+    prompt ``num_generations`` times in a row, tagged with ``ROLLOUT_USE`` when ``tag_uses``. A trailing chunk with
+    fewer prompts is dropped. Every prompt is checked as it arrives.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_generations: int,
+        prompts_per_rollout: int = 1,
+        repeat_count: int = 1,
+        tag_uses: bool = False,
+        split: str = "train",
+    ):
+        self.dataset = dataset
+        self.num_generations = num_generations
+        self.prompts_per_rollout = prompts_per_rollout
+        self.repeat_count = repeat_count
+        self.tag_uses = tag_uses
+        self.split = split
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):  # a shuffled datasets.IterableDataset reshuffles per epoch
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        chunk: list[dict[str, Any]] = []
+        for index, row in enumerate(self.dataset):
+            if not isinstance(row, dict) or "prompt" not in row:
+                found = list(row) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"The {self.split} dataset's row {index} has no 'prompt' (found {found}).")
+            problem = prompt_problem(row["prompt"])
+            if problem is not None:
+                raise ValueError(f"The {self.split} dataset's prompt in row {index} {problem[0]}; {problem[1]}")
+            chunk.append(row)
+            if len(chunk) < self.prompts_per_rollout:
+                continue
+            for use in range(self.repeat_count):
+                for prompt_row in chunk:
+                    tagged = {**prompt_row, ROLLOUT_USE: use} if self.tag_uses else prompt_row
+                    yield from [tagged] * self.num_generations
+            chunk = []
 
 
 def lookahead_use(uses_per_rollout: int, accumulation_steps: int, max_staleness: int) -> int:

@@ -35,7 +35,11 @@ from .data import (
     UPCOMING_ROW,
     RepeatSampler,
     RolloutRows,
+    RolloutStream,
+    check_streaming_supported,
+    first_row,
     identity_collator,
+    is_stream,
     lookahead_use,
     render_prompts,
     validate_prompt_dataset,
@@ -167,8 +171,6 @@ class TargetPOTrainer(Trainer):
             args = TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
         if not isinstance(args, TargetPOConfig):
             raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")
-        if isinstance(eval_dataset, dict):
-            raise ValueError("A dict of evaluation datasets is not supported: pass one dataset as `eval_dataset`.")
         if args.auto_find_batch_size:
             raise ValueError(
                 "auto_find_batch_size is not supported: the batch size fixes how prompt groups map to steps. Set "
@@ -209,11 +211,20 @@ class TargetPOTrainer(Trainer):
         )
         policy = _load_policy(model, args)
         tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
-        validate_prompt_dataset(train_dataset, "train", tokenizer)
-        validate_prompt_dataset(eval_dataset, "eval", tokenizer)
+        # Named evaluation datasets (a dict) are each checked, and evaluated under their own metric prefix.
+        named_evals = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        splits = [("train", train_dataset)] + [
+            ("eval" if name is None else f"eval[{name!r}]", dataset) for name, dataset in named_evals.items()
+        ]
+        splits = [(split, dataset) for split, dataset in splits if dataset is not None]
+        for split, dataset in splits:
+            validate_prompt_dataset(dataset, split, tokenizer)
+        if any(is_stream(dataset) for _, dataset in splits):
+            check_streaming_supported(args)
+            args.accelerator_config.dispatch_batches = False  # each process reads the stream and keeps its share
         if self.tools or self._environments is not None:
-            for split, dataset in (("train", train_dataset), ("eval", eval_dataset)):
-                if dataset is not None and isinstance(dataset[0]["prompt"], str):
+            for split, dataset in splits:
+                if isinstance(first_row(dataset)["prompt"], str):
                     raise ValueError(
                         f"Tools and environments need a conversational {split} dataset (prompts as lists of chat "
                         "messages): the chat template renders the tools and the tool turns. Wrap each prompt as "
@@ -224,14 +235,18 @@ class TargetPOTrainer(Trainer):
             args.max_prompt_length, args.max_completion_length, max_positions(policy)
         )
         reserved = RESERVED_REWARD_ARGUMENTS | ({"environments"} if self._environments is not None else set())
-        for dataset in (train_dataset, eval_dataset):
-            clashes = reserved & set(getattr(dataset, "column_names", None) or [])
+        for _, dataset in splits:
+            clashes = reserved & set(getattr(dataset, "column_names", None) or first_row(dataset))
             if clashes:
                 raise ValueError(
                     f"Dataset column(s) {sorted(clashes)} would collide with the reward-function arguments of the same "
                     "name; rename them (e.g. `dataset.rename_column(...)`)."
                 )
-        if train_dataset is not None and len(train_dataset) < args.generation_batch_size // args.num_generations:
+        if (
+            train_dataset is not None
+            and not is_stream(train_dataset)
+            and len(train_dataset) < args.generation_batch_size // args.num_generations
+        ):
             raise ValueError(
                 f"The train dataset has {len(train_dataset)} prompts but one rollout needs "
                 f"generation_batch_size // num_generations = {args.generation_batch_size // args.num_generations}."
@@ -366,6 +381,7 @@ class TargetPOTrainer(Trainer):
             if args.async_rollouts
             else None
         )
+        self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
         self._upcoming: _UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
         if args.async_rollouts:
             self.add_callback(_PushWeightsWhileGenerating(self))
@@ -446,7 +462,22 @@ class TargetPOTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("TargetPOTrainer: training requires a train_dataset.")
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
-        # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time.
+        # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time. A stream is read in
+        # order and repeated the same way as it arrives.
+        if is_stream(self.train_dataset):
+            stream = RolloutStream(
+                self.train_dataset,
+                num_generations=self.args.num_generations,
+                prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
+                repeat_count=self._generate_every,
+                tag_uses=True,
+            )
+            return self._get_dataloader(
+                dataset=stream,
+                description="Training",
+                batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+                is_training=True,
+            )
         return self._get_dataloader(
             dataset=RolloutRows(self.train_dataset),
             description="Training",
@@ -456,12 +487,30 @@ class TargetPOTrainer(Trainer):
         )
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
-        if isinstance(eval_dataset, str):
-            raise ValueError("Named evaluation datasets are not supported: pass the dataset itself.")
-        if eval_dataset is not None:
-            validate_prompt_dataset(eval_dataset, "eval", self.processing_class)
+        if isinstance(eval_dataset, str):  # the name of one of a dict's datasets (see `evaluate`)
+            dataset = self.eval_dataset[eval_dataset]
+        elif eval_dataset is None:
+            dataset = self.eval_dataset
+        else:  # given to `evaluate()`, so not checked yet
+            dataset = eval_dataset
+            validate_prompt_dataset(dataset, "eval", self.processing_class)
+            if is_stream(dataset) and self.args.accelerator_config.dispatch_batches is not False:
+                raise ValueError(
+                    "A streamed evaluation dataset passed to `evaluate()` needs a trainer built for streams: pass a "
+                    "stream as `eval_dataset` (or `train_dataset`) when creating the trainer, or convert this one "
+                    "with `datasets.Dataset.from_list(list(stream))`."
+                )
         self.args.check_eval_batch_size()
-        return super().get_eval_dataloader(eval_dataset)
+        if dataset is not None and is_stream(dataset):
+            stream = RolloutStream(dataset, num_generations=self._group_size("eval"), split="eval")
+            return self._get_dataloader(dataset=stream, description="Evaluation", batch_size=self.args.eval_batch_size)
+        return super().get_eval_dataloader(dataset)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
+        # The rollout metrics logged during evaluation take the same prefix as the loss: `eval_<name>_...` for each
+        # dataset of a dict.
+        self._eval_metric_prefix = metric_key_prefix
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _set_signature_columns_if_needed(self) -> None:
         # With remove_unused_columns=True only what rollouts themselves need is kept.
@@ -1290,7 +1339,7 @@ class TargetPOTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         averaged = {name: sum(values) / len(values) for name, values in self._metrics[mode].items() if values}
         if mode == "eval":
-            averaged = {f"eval_{name}": value for name, value in averaged.items()}
+            averaged = {f"{self._eval_metric_prefix}_{name}": value for name, value in averaged.items()}
         logs.update(averaged)  # in place: `evaluate()` returns this same dict
         super().log(logs, start_time)
         self._metrics[mode].clear()

@@ -445,3 +445,90 @@ def test_log_completions_hub_repo_is_refused_offline_and_pushes_each_logged_tabl
     rows = pushed[-1][2]
     assert rows["completion"] == trainer._completion_table.completions
     assert rows["reward"] == pytest.approx([float(len(c)) for c in rows["completion"]])
+
+
+# ------------------------------------------------------------------------------------------------ streams and dicts
+def recording_reward(seen):
+    def reward(prompts, completions, **kwargs):
+        seen.append(list(prompts))
+        return [float(len(c)) for c in completions]
+
+    return reward
+
+
+def stream_of(prompts):
+    from datasets import IterableDataset
+
+    def rows():
+        yield from ({"prompt": prompt} for prompt in prompts)
+
+    return IterableDataset.from_generator(rows)
+
+
+@pytest.mark.parametrize("make_stream", ["to_iterable_dataset", "from_generator"])
+def test_a_streamed_train_dataset_trains_as_the_same_rows_in_order(tmp_path, tokenizer, make_stream):
+    ten = PROMPTS + ["Say cow:", "Say owl:"]  # 2 prompts per rollout: the stream runs out after 5 rollouts
+    runs = {}
+    for kind in ("map", "stream"):
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+        mapped = Dataset.from_dict({"prompt": ten})
+        if kind == "map":
+            dataset = mapped
+        else:
+            dataset = mapped.to_iterable_dataset() if make_stream == "to_iterable_dataset" else stream_of(ten)
+        seen = []
+        args = make_config(tmp_path / kind, shuffle_dataset=False, per_device_train_batch_size=4,
+                           steps_per_generation=2, max_steps=12, generation_kwargs=few_letters(tokenizer))
+        trainer = TargetPOTrainer(model, recording_reward(seen), args=args, train_dataset=dataset,
+                                  processing_class=tokenizer)
+        trainer.train()
+        runs[kind] = (seen, {n: p.detach().clone() for n, p in model.named_parameters()})
+    seen, weights = runs["stream"]
+    # 12 steps = 6 rollouts of 2 prompts x 4 completions: the stream in order, then again from its start.
+    order = ten + ten[:2]
+    assert seen == [[order[2 * r]] * 4 + [order[2 * r + 1]] * 4 for r in range(6)]
+    assert seen == runs["map"][0]
+    for name, value in weights.items():
+        assert torch.equal(value, runs["map"][1][name]), name
+
+
+def test_a_bad_row_in_a_stream_is_named_when_it_arrives(tmp_path, tiny_model, tokenizer):
+    args = make_config(tmp_path, max_steps=4)
+    trainer = TargetPOTrainer(tiny_model, recording_reward([]), args=args,
+                              train_dataset=stream_of(PROMPTS[:3] + ["  "] + PROMPTS[3:]), processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"train dataset's prompt in row 3 is only whitespace"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [(dict(async_rollouts=True, use_vllm=True, vllm_mode="server"), "async_rollouts=True needs a map-style"),
+     (dict(dataloader_num_workers=2), "dataloader_num_workers=2 with a streamed dataset")],
+)
+def test_settings_a_stream_cannot_serve_are_refused(tmp_path, tiny_model, tokenizer, setting, message):
+    with pytest.raises(ValueError, match=message):
+        TargetPOTrainer(tiny_model, recording_reward([]), args=make_config(tmp_path, **setting),
+                        train_dataset=stream_of(PROMPTS), processing_class=tokenizer)
+
+
+def constant_reward(prompts, completions, score, **kwargs):
+    return [float(s) for s in score]
+
+
+def test_each_named_eval_dataset_is_evaluated_under_its_name(tmp_path, tiny_model, tokenizer):
+    evals = {
+        "low": Dataset.from_dict({"prompt": PROMPTS[:2], "score": [1.0, 3.0]}),
+        "high": Dataset.from_dict({"prompt": PROMPTS[2:6], "score": [10.0, 10.0, 20.0, 20.0]}).to_iterable_dataset(),
+    }
+    args = make_config(tmp_path, per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=1, max_steps=1)
+    trainer = TargetPOTrainer(tiny_model, constant_reward, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS, "score": [0.0] * 8}),
+                              eval_dataset=evals, processing_class=tokenizer)
+    trainer.train()
+    logged = {key: value for entry in trainer.state.log_history for key, value in entry.items()}
+    assert logged["eval_low_reward"] == pytest.approx(2.0) and logged["eval_high_reward"] == pytest.approx(15.0)
+    # Within a group every completion scores the same: the spread is 0, the target is p_old itself.
+    assert logged["eval_low_reward_std"] == 0 and logged["eval_high_reward_std"] == 0
+    assert "eval_reward" not in logged and "eval_low_loss" in logged and "eval_high_loss" in logged
+    metrics = trainer.evaluate(metric_key_prefix="test")
+    assert metrics["test_low_reward"] == pytest.approx(2.0) and metrics["test_high_reward"] == pytest.approx(15.0)

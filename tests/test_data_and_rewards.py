@@ -47,9 +47,11 @@ def test_dataset_checks(tokenizer):
         validate_prompt_dataset(Dataset.from_dict({"prompt": []}), "eval", tokenizer)
     with pytest.raises(ValueError, match="row 0 has type int"):
         validate_prompt_dataset(Dataset.from_dict({"prompt": [3]}), "train", tokenizer)
-    streaming = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
-    with pytest.raises(ValueError, match="map-style"):
-        validate_prompt_dataset(streaming, "train", tokenizer)
+    validate_prompt_dataset(IterableDataset.from_generator(lambda: iter([{"prompt": "a"}])), "train", tokenizer)
+    with pytest.raises(ValueError, match=r"train dataset's prompt in row 0 is empty"):  # a stream's first row
+        validate_prompt_dataset(IterableDataset.from_generator(lambda: iter([{"prompt": ""}])), "train", tokenizer)
+    with pytest.raises(ValueError, match="must be a map-style dataset .* or a stream"):
+        validate_prompt_dataset(object(), "train", tokenizer)
 
 
 def chat(content):
