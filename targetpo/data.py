@@ -9,8 +9,14 @@ import datasets
 import torch
 from torch.utils.data import Sampler
 
+from .vision import IMAGE_COLUMNS, row_images
+
 #: Dataset columns that carry images (or other media) for vision-language prompts.
 MEDIA_COLUMNS = frozenset({"image", "images", "video", "videos", "audio"})
+#: Why prompts with images cannot be trained on, when the policy's processing class is a tokenizer.
+NEEDS_PROCESSOR = (
+    "the model's processor as `processing_class` (e.g. `AutoProcessor.from_pretrained(model_id)`), not its tokenizer"
+)
 
 
 def is_conversational(example: dict[str, Any]) -> bool:
@@ -23,8 +29,13 @@ def is_conversational(example: dict[str, Any]) -> bool:
     )
 
 
-def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
-    """Refuse datasets the trainer cannot use, before any model work starts: every row's prompt is checked."""
+def validate_prompt_dataset(
+    dataset: Any, split: str, tokenizer: Any, images_need: str | None = NEEDS_PROCESSOR
+) -> None:
+    """Refuse datasets the trainer cannot use, before any model work starts: every row's prompt is checked.
+
+    ``images_need`` says what prompts with images would need that this run lacks; None when they can be trained on.
+    """
     if dataset is None:
         return
     if not is_stream(dataset) and not hasattr(dataset, "__getitem__"):
@@ -43,17 +54,27 @@ def validate_prompt_dataset(dataset: Any, split: str, tokenizer: Any) -> None:
             "`dataset.rename_column('question', 'prompt')`."
         )
     media = sorted(MEDIA_COLUMNS & set(first))
-    if media:
+    unsupported = media if images_need is not None else [column for column in media if column not in IMAGE_COLUMNS]
+    if unsupported:
+        need = (
+            f"prompts with images need {images_need}"
+            if set(unsupported) <= set(IMAGE_COLUMNS)
+            else "videos and audio are not supported (images are, in an 'image' or 'images' column)"
+        )
         raise ValueError(
-            f"The {split} dataset has the column(s) {media}: prompts with images are not supported yet (vision-language "
-            "models), and training would silently see the text alone. To train on the text on purpose, drop them "
-            f"with `dataset.remove_columns({media})`."
+            f"The {split} dataset has the column(s) {unsupported}: {need}; training would otherwise see the text "
+            f"alone. To train on the text on purpose, drop them with `dataset.remove_columns({unsupported})`."
+        )
+    if images_need is None and row_images(first) and isinstance(first["prompt"], str):
+        raise ValueError(
+            f"The {split} dataset has images but its prompts are plain strings: images need conversational prompts, "
+            "whose chat template places them. Wrap each as `[{'role': 'user', 'content': prompt}]`."
         )
     first_is_text = None
     # A stream is read once, while training: its first row is checked now, the others as they arrive (RolloutStream).
     prompts = [first["prompt"]] if is_stream(dataset) else _prompts(dataset, split)
     for index, prompt in enumerate(prompts):
-        problem = prompt_problem(prompt)
+        problem = prompt_problem(prompt, images_allowed=images_need is None)
         if problem is not None:
             raise ValueError(
                 f"The {split} dataset's prompt in row {index} {problem[0]}. Every prompt must be a non-empty string or "
@@ -93,8 +114,9 @@ def _prompts(dataset: Any, split: str) -> Iterator[Any]:
         yield row["prompt"]
 
 
-def prompt_problem(prompt: Any) -> tuple[str, str] | None:
-    """What makes a prompt unusable and how to fix it, or None for a non-empty string or list of chat messages."""
+def prompt_problem(prompt: Any, images_allowed: bool = False) -> tuple[str, str] | None:
+    """What makes a prompt unusable and how to fix it, or None for a non-empty string or list of chat messages
+    (whose content parts are text, or also images when ``images_allowed``)."""
     drop = "drop such rows with `dataset = dataset.filter(lambda row: {})`."
     if prompt is None:
         return "is None", drop.format("row['prompt'] is not None")
@@ -121,10 +143,10 @@ def prompt_problem(prompt: Any) -> tuple[str, str] | None:
             return problem, "give every message a text (or a list of content parts), or drop such rows."
         for part in content if isinstance(content, list) else ():
             kind = part.get("type", "text") if isinstance(part, dict) else None
-            if kind != "text":
+            if kind != "text" and not (kind == "image" and images_allowed):
                 fix = (
-                    "only text parts are supported (vision-language prompts are not supported yet, and other parts "
-                    "would be dropped silently): keep the `{'type': 'text', 'text': ...}` parts."
+                    "only text parts are supported, and image parts with the model's processor as `processing_class` "
+                    "(other parts would be dropped silently): keep the `{'type': 'text', 'text': ...}` parts."
                 )
                 return f"has message {position} with a content part of type {kind or type(part).__name__!r}", fix
     return None
@@ -240,6 +262,7 @@ class RolloutStream(torch.utils.data.IterableDataset):
         repeat_count: int = 1,
         tag_uses: bool = False,
         split: str = "train",
+        images_allowed: bool = False,
     ):
         self.dataset = dataset
         self.num_generations = num_generations
@@ -247,6 +270,7 @@ class RolloutStream(torch.utils.data.IterableDataset):
         self.repeat_count = repeat_count
         self.tag_uses = tag_uses
         self.split = split
+        self.images_allowed = images_allowed
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):  # a shuffled datasets.IterableDataset reshuffles per epoch
@@ -258,7 +282,7 @@ class RolloutStream(torch.utils.data.IterableDataset):
             if not isinstance(row, dict) or "prompt" not in row:
                 found = list(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"The {self.split} dataset's row {index} has no 'prompt' (found {found}).")
-            problem = prompt_problem(row["prompt"])
+            problem = prompt_problem(row["prompt"], self.images_allowed)
             if problem is not None:
                 raise ValueError(f"The {self.split} dataset's prompt in row {index} {problem[0]}; {problem[1]}")
             chunk.append(row)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from packaging.version import Version
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoProcessor, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def from_pretrained_or_explain(loader: Any, name_or_path: str, what: str, **kwargs: Any) -> Any:
@@ -33,6 +33,25 @@ def model_identifier(model: PreTrainedModel) -> str | None:
     """The id or path a model was loaded from, or None for a model built from a config."""
     name = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
     return name or None
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether a model config describes a vision-language model (it has a vision tower's config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processing_class(model: PreTrainedModel, processing_class: Any, trust_remote_code: bool = False) -> Any:
+    """``processing_class`` as given; for a vision-language model given without one, its processor (which encodes
+    images as well as text). Other models' tokenizers are loaded by :func:`load_tokenizer`."""
+    if processing_class is not None or not is_vision_language(getattr(model, "config", None)):
+        return processing_class
+    name = model_identifier(model)
+    if name is None:
+        raise ValueError(
+            "The vision-language model was built from a config and has no processor to load: pass `processing_class=` "
+            "its processor (e.g. `AutoProcessor.from_pretrained(...)`)."
+        )
+    return from_pretrained_or_explain(AutoProcessor, name, "processor", trust_remote_code=trust_remote_code)
 
 
 def load_tokenizer(
@@ -406,6 +425,8 @@ def completion_logps(
     liger: bool = False,
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
+    image_inputs: dict[str, torch.Tensor] | None = None,
+    prompt_aligned: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
 
@@ -422,7 +443,9 @@ def completion_logps(
     suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel. The entropies carry a
     gradient only with ``entropy_grad`` (an entropy bonus in the loss); otherwise they are a metric. With
     ``router_aux_loss`` (mixture-of-experts models) the forward pass also computes the router's load-balancing loss,
-    returned as a third value.
+    returned as a third value. Prompts with images bring the model's per-image inputs (``image_inputs``: pixel
+    values, image grids, ...) and per-token inputs aligned with ``prompt_ids`` (``prompt_aligned``: token type ids),
+    which read 0 over the completion.
     """
     completion_length = completion_ids.size(1)
     first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
@@ -433,7 +456,10 @@ def completion_logps(
         [prompt_mask[:, first_prompt_column:], completion_attention_mask[:, :last_completion_column]], dim=1
     ).long()
 
-    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, **(image_inputs or {})}
+    for key, value in (prompt_aligned or {}).items():
+        completion_part = value.new_zeros(value.size(0), last_completion_column)
+        inputs[key] = torch.cat([value[:, first_prompt_column:], completion_part], dim=1)
     if use_position_ids:
         inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if router_aux_loss:

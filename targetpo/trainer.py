@@ -26,11 +26,20 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object, set_seed
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+)
 
 from . import functional as F
 from .config import GRPOConfig, TargetPOConfig
 from .data import (
+    NEEDS_PROCESSOR,
     ROLLOUT_USE,
     UPCOMING_ROW,
     RepeatSampler,
@@ -63,7 +72,9 @@ from .modeling import (
     from_pretrained_or_explain,
     frozen_reference,
     is_peft_model,
+    is_vision_language,
     liger_head_problem,
+    load_processing_class,
     load_tokenizer,
     max_positions,
     mix_weights_into,
@@ -84,8 +95,20 @@ from .multi_turn import (
 from .reporting import RolloutTable, print_completions_table, push_completions_table
 from .rewards import RewardFunc, RewardLogs, RewardScorer
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
+from .vision import (
+    SELF_POSITIONED_KEYS,
+    collate_pixel_inputs,
+    encode_prompts_with_images,
+    image_column,
+    is_processor,
+    row_images,
+    with_image_parts,
+)
 
 Batch = dict[str, Any]
+#: Batch keys of prompts with images: each row's per-image inputs (a list), and per-token extras under this prefix.
+PIXEL_INPUTS = "pixel_inputs"
+PROMPT_ALIGNED = "prompt_aligned/"
 
 #: The rollout's score statistics (``F.rollout_diagnostics``) and the names they are logged under.
 ROLLOUT_DIAGNOSTICS = {
@@ -107,7 +130,11 @@ def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrain
         for key in ("dtype", "torch_dtype"):
             if isinstance(kwargs.get(key), str) and kwargs[key] != "auto":
                 kwargs[key] = getattr(torch, kwargs[key])
-        return from_pretrained_or_explain(AutoModelForCausalLM, model, "model", **kwargs)
+        config = from_pretrained_or_explain(
+            AutoConfig, model, "model", trust_remote_code=args.trust_remote_code, revision=kwargs.get("revision")
+        )
+        loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+        return from_pretrained_or_explain(loader, model, "model", **kwargs)
     if args.model_init_kwargs:
         raise ValueError(
             "model_init_kwargs only applies when `model` is an id or path; the model passed is already built."
@@ -210,7 +237,11 @@ class TargetPOTrainer(Trainer):
             reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
         )
         policy = _load_policy(model, args)
+        processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
         tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
+        # A vision-language model's processor encodes prompts with images and renders them with its chat template.
+        self._processor = processing_class if is_processor(processing_class) else None
+        self._images_need = self._what_images_need(args)
         # Named evaluation datasets (a dict) are each checked, and evaluated under their own metric prefix.
         named_evals = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
         splits = [("train", train_dataset)] + [
@@ -218,7 +249,7 @@ class TargetPOTrainer(Trainer):
         ]
         splits = [(split, dataset) for split, dataset in splits if dataset is not None]
         for split, dataset in splits:
-            validate_prompt_dataset(dataset, split, tokenizer)
+            validate_prompt_dataset(dataset, split, self._processor or tokenizer, self._images_need)
         if any(is_stream(dataset) for _, dataset in splits):
             check_streaming_supported(args)
             args.accelerator_config.dispatch_batches = False  # each process reads the stream and keeps its share
@@ -267,7 +298,7 @@ class TargetPOTrainer(Trainer):
             data_collator=identity_collator,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            processing_class=tokenizer,
+            processing_class=self._processor or tokenizer,  # saved with every checkpoint
             callbacks=callbacks,
             optimizers=optimizers,
         )
@@ -291,6 +322,7 @@ class TargetPOTrainer(Trainer):
             self.add_callback(_SyncReferenceModel(self))
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
+        self._tokenizer = tokenizer
         self.sampling = SamplingSettings.from_config(args, tokenizer, self.accelerator.unwrap_model(self.model))
         # Token ids a rollout may hold: the tokenizer's, and any the output layer has beyond them (padded vocabularies).
         text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
@@ -411,7 +443,7 @@ class TargetPOTrainer(Trainer):
                 self._generation_model,
                 self._sharded,
                 max_model_len,
-                self.processing_class,
+                self._tokenizer,
             )
             self._weights_version = None
         return self._rollout_backend
@@ -442,6 +474,16 @@ class TargetPOTrainer(Trainer):
         return problem is None
 
     # ------------------------------------------------------------------------------------------------ data
+    def _what_images_need(self, args: TargetPOConfig) -> str | None:
+        """What prompts with images would need that this run lacks; None when they can be trained on."""
+        if self._processor is None:
+            return NEEDS_PROCESSOR
+        if args.use_vllm:
+            return "rollouts with `model.generate` (use_vllm=False): vLLM rollouts do not carry images yet"
+        if self.tools or self._environments is not None or self.rollout_func is not None:
+            return "single-turn rollouts: tools, environments and rollout_func do not carry images yet"
+        return None
+
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         return RepeatSampler(
@@ -471,6 +513,7 @@ class TargetPOTrainer(Trainer):
                 prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
                 repeat_count=self._generate_every,
                 tag_uses=True,
+                images_allowed=self._images_need is None,
             )
             return self._get_dataloader(
                 dataset=stream,
@@ -493,7 +536,7 @@ class TargetPOTrainer(Trainer):
             dataset = self.eval_dataset
         else:  # given to `evaluate()`, so not checked yet
             dataset = eval_dataset
-            validate_prompt_dataset(dataset, "eval", self.processing_class)
+            validate_prompt_dataset(dataset, "eval", self._processor or self._tokenizer, self._images_need)
             if is_stream(dataset) and self.args.accelerator_config.dispatch_batches is not False:
                 raise ValueError(
                     "A streamed evaluation dataset passed to `evaluate()` needs a trainer built for streams: pass a "
@@ -502,7 +545,9 @@ class TargetPOTrainer(Trainer):
                 )
         self.args.check_eval_batch_size()
         if dataset is not None and is_stream(dataset):
-            stream = RolloutStream(dataset, num_generations=self._group_size("eval"), split="eval")
+            stream = RolloutStream(
+                dataset, self._group_size("eval"), split="eval", images_allowed=self._images_need is None
+            )
             return self._get_dataloader(dataset=stream, description="Evaluation", batch_size=self.args.eval_batch_size)
         return super().get_eval_dataloader(dataset)
 
@@ -562,6 +607,7 @@ class TargetPOTrainer(Trainer):
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         conversations = None
+        pixel_inputs, token_aligned = None, {}  # prompts with images: each row's pixels, per-token extras
         # What one process can fail at alone (a bad prompt, generation running out of memory, a reward function
         # raising or returning the wrong number of scores) runs in guarded blocks, so that the failure stops every
         # process before the gathers below. Collective generation (a vLLM server, sharded weights) and a sharded
@@ -575,6 +621,24 @@ class TargetPOTrainer(Trainer):
             )
             if environments is not None:
                 columns["environments"] = environments
+        elif self._images_need is None and image_column(rows[0]) is not None:
+            with self._failures_reach_every_process("encoding the prompts and their images"):
+                prompts = [
+                    with_image_parts(row["prompt"], len(row_images(row)), index) for index, row in enumerate(rows)
+                ]
+                encoded = encode_prompts_with_images(
+                    self._processor,
+                    self._render_prompts(prompts),
+                    [row_images(row) for row in rows],
+                    self._max_prompt_tokens,
+                    self.sampling.pad_token_id,
+                )
+            prompt_ids, prompt_mask = encoded.ids.to(device), encoded.mask.to(device)
+            pixel_inputs = [{key: value.to(device) for key, value in row.items()} for row in encoded.pixel_inputs]
+            token_aligned = {key: value.to(device) for key, value in encoded.token_aligned.items()}
+            completions = self._generate_completions(
+                prompt_ids, prompt_mask, mode, {**collate_pixel_inputs(pixel_inputs), **token_aligned}
+            )
         else:
             with self._failures_reach_every_process("tokenizing the prompts"):
                 prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
@@ -584,6 +648,7 @@ class TargetPOTrainer(Trainer):
             extra_columns = -prompt_ids.size(1) % multiple
             prompt_ids = nn.functional.pad(prompt_ids, (extra_columns, 0), value=pad_id)  # prompts are left-padded
             prompt_mask = nn.functional.pad(prompt_mask, (extra_columns, 0), value=0)
+            token_aligned = {key: nn.functional.pad(value, (extra_columns, 0)) for key, value in token_aligned.items()}
             completions = completions.padded_to_multiple(multiple, pad_id)
         with self._failures_reach_every_process("scoring the completions"):
             completion_texts, completion_id_lists = self._decode(completions)
@@ -628,6 +693,9 @@ class TargetPOTrainer(Trainer):
             "advantages": advantages_all[local],
             "sample_index": torch.arange(local.start, local.stop, device=device),
         }
+        if pixel_inputs is not None:
+            batch[PIXEL_INPUTS] = pixel_inputs
+            batch.update({PROMPT_ALIGNED + key: value for key, value in token_aligned.items()})
         if completions.sampler_logps is not None:
             batch["sampler_per_token_logps"] = completions.sampler_logps
         if args.loss_type in F.TOKEN_NORMALIZED_LOSSES:
@@ -689,15 +757,24 @@ class TargetPOTrainer(Trainer):
             return contextlib.nullcontext()
         return failures_reach_every_process(what, self.accelerator.device)
 
-    def _generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, mode: str) -> Completions:
-        """This rollout's completions: the ones generated ahead for these prompts, or generated now."""
+    def _generate_completions(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        mode: str,
+        image_inputs: dict[str, torch.Tensor] | None = None,
+    ) -> Completions:
+        """This rollout's completions: the ones generated ahead for these prompts, or generated now. Prompts with
+        images come with their ``image_inputs`` (``model.generate`` only)."""
         backend = self.rollout_backend
         pending = self._take_upcoming_rollout(prompt_ids, prompt_mask) if mode == "train" else None
         started = time.perf_counter()
         if pending is None:
             self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
         with self._failures_reach_every_process("generating the completions", local=not backend.collective):
-            if pending is None:
+            if image_inputs is not None:
+                pending = PendingCompletions(backend.generate(prompt_ids, prompt_mask, image_inputs=image_inputs))
+            elif pending is None:
                 pending = backend.start(prompt_ids, prompt_mask)
             completions = pending.result()
         self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
@@ -804,7 +881,7 @@ class TargetPOTrainer(Trainer):
         """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
         leave the completion room within the model's positions)."""
         conversational = not isinstance(prompts[0], str)
-        encoded = self.processing_class(
+        encoded = self._tokenizer(
             text=self._render_prompts(prompts),
             return_tensors="pt",
             padding=True,
@@ -820,7 +897,7 @@ class TargetPOTrainer(Trainer):
 
     def _render_prompts(self, prompts: list[Any]) -> list[str]:
         return render_prompts(
-            prompts, self.processing_class, self._tool_schemas, **(self.args.chat_template_kwargs or {})
+            prompts, self._processor or self._tokenizer, self._tool_schemas, **(self.args.chat_template_kwargs or {})
         )
 
     def _generation_model(self):
@@ -841,7 +918,7 @@ class TargetPOTrainer(Trainer):
         """Completion texts and token ids, each cut after its first EOS."""
         lengths = completions.lengths.tolist()
         id_lists = [row[:length] for row, length in zip(completions.ids.tolist(), lengths)]
-        texts = self.processing_class.batch_decode(id_lists, skip_special_tokens=True)
+        texts = self._tokenizer.batch_decode(id_lists, skip_special_tokens=True)
         return texts, id_lists
 
     @staticmethod
@@ -893,7 +970,11 @@ class TargetPOTrainer(Trainer):
         chunk = self.args.per_device_train_batch_size
         parts = []
         for start in range(0, batch["completion_ids"].size(0), chunk):
-            part = {key: value[start : start + chunk] for key, value in batch.items() if torch.is_tensor(value)}
+            part = {
+                key: value[start : start + chunk]
+                for key, value in batch.items()
+                if torch.is_tensor(value) or key == PIXEL_INPUTS
+            }
             parts.append(self._token_logps(model, part)[0])
         return torch.cat(parts)
 
@@ -923,14 +1004,29 @@ class TargetPOTrainer(Trainer):
             lengths = batch["prompt_mask"].sum(dim=1) + batch["completion_attention_mask"].sum(dim=1)
             selected = lengths.argmin().reshape(1)
         inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
+        image_inputs = None
+        if PIXEL_INPUTS in batch:  # prompts with images: the rows' pixels, and the per-token extras of their prompts
+            pixel_rows = (
+                batch[PIXEL_INPUTS] if selected is None else [batch[PIXEL_INPUTS][i] for i in selected.tolist()]
+            )
+            image_inputs = collate_pixel_inputs(pixel_rows)
+            prompt_aligned = {
+                key[len(PROMPT_ALIGNED) :]: value if selected is None else value[selected]
+                for key, value in batch.items()
+                if key.startswith(PROMPT_ALIGNED)
+            }
         results = completion_logps(
             model,
             *inputs,
+            image_inputs=image_inputs,
+            prompt_aligned=prompt_aligned if image_inputs is not None else None,
             temperature=self.args.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
             router_aux_loss=aux_loss_sink is not None,
-            use_position_ids=self._use_position_ids,
+            # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
+            use_position_ids=self._use_position_ids
+            and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
             suppressed_token_ids=self._suppressed_token_ids,
             chunk_size=self._logps_chunk_size,
             liger=self._liger_logps,
@@ -1370,7 +1466,7 @@ def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
     for start in range(0, total, rows_per_step):
         steps.append(
             {
-                key: value[start : start + rows_per_step] if torch.is_tensor(value) else value
+                key: value[start : start + rows_per_step] if torch.is_tensor(value) or key == PIXEL_INPUTS else value
                 for key, value in batch.items()
             }
         )

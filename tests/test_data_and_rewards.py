@@ -99,18 +99,23 @@ def test_every_row_of_a_datasets_dataset_is_checked(tokenizer):
         validate_prompt_dataset([{"prompt": "ok"}, {"text": "ok"}], "train", tokenizer)
 
 
-def test_image_prompts_are_refused_rather_than_trained_on_as_text(tokenizer):
-    """Vision-language prompts in TRL's format (an image column, image content parts) are not supported yet: training
-    would silently drop the images."""
+def test_image_prompts_without_a_processor_are_refused_rather_than_trained_on_as_text(tokenizer):
+    """Vision-language prompts in TRL's format (an image column, image content parts) need the model's processor:
+    with a tokenizer alone, training would silently drop the images. Videos and audio are refused in any case."""
     with_image = [{"type": "image"}, {"type": "text", "text": "What is shown?"}]
     rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": with_image}]] * 2, "image": ["a.png", "b.png"]})
-    with pytest.raises(ValueError, match=r"column\(s\) \['image'\].*not supported yet.*remove_columns"):
+    with pytest.raises(ValueError, match=r"column\(s\) \['image'\]: prompts with images need the model's processor"):
         validate_prompt_dataset(rows, "train", tokenizer)
-    with pytest.raises(ValueError, match=r"column\(s\) \['images'\]"):
+    with pytest.raises(ValueError, match=r"column\(s\) \['images'\].*remove_columns"):
         validate_prompt_dataset([{"prompt": "Describe", "images": ["a.png"]}], "train", tokenizer)
+    validate_prompt_dataset(rows, "train", tokenizer, images_need=None)  # a processor's run takes them
+    with pytest.raises(ValueError, match=r"\['video'\]: videos and audio are not supported"):
+        validate_prompt_dataset([{"prompt": chat("ok"), "video": "a.mp4"}], "train", tokenizer, images_need=None)
+    with pytest.raises(ValueError, match="has images but its prompts are plain strings"):
+        validate_prompt_dataset([{"prompt": "Describe", "image": "a.png"}], "train", tokenizer, images_need=None)
     # Without the column, an image part in a message is refused by row.
     parts = [{"prompt": chat("ok")}, {"prompt": [{"role": "user", "content": with_image}]}]
-    with pytest.raises(ValueError, match="row 1 has message 0 with a content part of type 'image'.*not supported yet"):
+    with pytest.raises(ValueError, match="row 1 has message 0 with a content part of type 'image'.*model's processor"):
         validate_prompt_dataset(parts, "train", tokenizer)
 
 

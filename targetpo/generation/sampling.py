@@ -7,6 +7,8 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from ..vision import placeholder_token_ids
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -35,6 +37,11 @@ class SamplingSettings:
         eos_ids = {tokenizer.eos_token_id}
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos_ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos])
+        generation_kwargs = dict(args.generation_kwargs or {})
+        placeholders = placeholder_token_ids(model)
+        if placeholders:  # a vision-language model's image tokens: never sampled (and so never in the log-probs)
+            suppressed = {int(token) for token in generation_kwargs.get("suppress_tokens") or []}
+            generation_kwargs["suppress_tokens"] = sorted(suppressed | placeholders)
         return cls(
             max_new_tokens=args.max_completion_length,
             eos_token_ids=tuple(sorted(token for token in eos_ids if token is not None)),
@@ -44,7 +51,7 @@ class SamplingSettings:
             top_k=args.top_k,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
-            generation_kwargs=dict(args.generation_kwargs or {}),
+            generation_kwargs=generation_kwargs,
             cache_implementation=getattr(args, "cache_implementation", None),
             structured_outputs_regex=getattr(args, "vllm_structured_outputs_regex", None),
         )

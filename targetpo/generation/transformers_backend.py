@@ -55,8 +55,14 @@ class TransformersBackend(RolloutBackend):
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        image_inputs: dict[str, torch.Tensor] | None = None,
     ) -> Completions:
+        """As :meth:`RolloutBackend.generate`; prompts with images bring the model's ``image_inputs`` (pixel values,
+        image grids, token type ids) too."""
         generation_config = self.generation_config
         if max_new_tokens is not None:
             generation_config = copy.deepcopy(generation_config)
@@ -71,6 +77,7 @@ class TransformersBackend(RolloutBackend):
                         attention_mask=prompt_mask,
                         generation_config=generation_config,
                         synced_gpus=self.synced_gpus,
+                        **(image_inputs or {}),
                     )
             finally:
                 model.train(was_training)

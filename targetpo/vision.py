@@ -1,0 +1,187 @@
+"""Vision-language prompts: a row's images, image parts in its messages, and the pixel inputs of each row.
+
+A prompt with images is encoded one row at a time by the model's processor, so that every row keeps its own pixel
+inputs and a batch of any rows (a training step's, the rows left after skipping) can be put together again by
+:func:`collate_pixel_inputs`. Processor outputs come in two kinds: per-token ones, aligned with the prompt's ids
+(``token_type_ids``, ``mm_token_type_ids``), which are padded and cut like the ids, and per-image ones
+(``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``, ...), which the model matches to the
+image tokens in order, so rows' tensors are concatenated along their first dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import ProcessorMixin
+
+#: Columns that hold a row's images: ``images`` (a list) or ``image`` (one), as in TRL's vision datasets.
+IMAGE_COLUMNS = ("images", "image")
+#: Per-image inputs from which a model numbers positions itself (multimodal rotary positions, Qwen2-VL's family).
+SELF_POSITIONED_KEYS = ("image_grid_thw", "video_grid_thw")
+
+
+#: Config attributes naming the tokens that stand for an image's (or a video's) features in the text.
+PLACEHOLDER_TOKEN_ATTRIBUTES = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+
+
+def placeholder_token_ids(model: Any) -> set[int]:
+    """The tokens a vision-language model replaces with image or video features. A completion must never hold one:
+    the next forward pass would find more placeholders than images and fail, so generation suppresses them."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return set()
+    ids = (getattr(config, attribute, None) for attribute in PLACEHOLDER_TOKEN_ATTRIBUTES)
+    return {int(token) for token in ids if isinstance(token, int)}
+
+
+def is_processor(processing_class: Any) -> bool:
+    """Whether ``processing_class`` is a multimodal processor (wrapping a tokenizer and an image processor)."""
+    return isinstance(processing_class, ProcessorMixin)
+
+
+def image_column(row: dict[str, Any]) -> str | None:
+    """The row's image column, if it has one."""
+    return next((column for column in IMAGE_COLUMNS if column in row), None)
+
+
+def row_images(row: dict[str, Any]) -> list[Any]:
+    """The row's images as a list (empty when its image column holds None)."""
+    column = image_column(row)
+    if column is None or row[column] is None:
+        return []
+    value = row[column]
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def image_part_count(prompt: list[dict[str, Any]]) -> int:
+    return sum(
+        1
+        for message in prompt
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    )
+
+
+def with_image_parts(prompt: Any, num_images: int, row: int) -> list[dict[str, Any]]:
+    """The conversation with one ``{"type": "image"}`` part per image.
+
+    A prompt that already places its image parts keeps them (their number must match the images); otherwise they go
+    at the start of the first user message, before its text.
+    """
+    if num_images == 0:
+        return prompt
+    if isinstance(prompt, str):
+        raise ValueError(
+            f"Row {row} has images but its prompt is a plain string: images need a conversational prompt, whose chat "
+            "template places them. Wrap it as `[{'role': 'user', 'content': prompt}]`."
+        )
+    placed = image_part_count(prompt)
+    if placed == num_images:
+        return prompt
+    if placed:
+        raise ValueError(
+            f"Row {row} has {num_images} image(s) but its messages hold {placed} image part(s): give one "
+            "`{'type': 'image'}` part per image, or none to put them all at the start of the first user message."
+        )
+    first_user = next((index for index, message in enumerate(prompt) if message["role"] == "user"), None)
+    if first_user is None:
+        raise ValueError(f"Row {row} has images but no user message to put them in.")
+    message = prompt[first_user]
+    text = message["content"]
+    parts = [{"type": "text", "text": text}] if isinstance(text, str) else list(text)
+    images = [{"type": "image"} for _ in range(num_images)]
+    return [*prompt[:first_user], {**message, "content": images + parts}, *prompt[first_user + 1 :]]
+
+
+class EncodedPrompts:
+    """Left-padded prompt ids and mask, their per-token extras, and each row's per-image inputs."""
+
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        token_aligned: dict[str, torch.Tensor],
+        pixel_inputs: list[dict[str, torch.Tensor]],
+    ):
+        self.ids, self.mask, self.token_aligned, self.pixel_inputs = ids, mask, token_aligned, pixel_inputs
+
+
+def encode_prompts_with_images(
+    processor: Any, texts: list[str], images: list[list[Any]], max_tokens: int | None, pad_token_id: int
+) -> EncodedPrompts:
+    """Encode each rendered prompt with its images through ``processor``, a row at a time, and left-pad the rows.
+
+    Rows that repeat the previous row's prompt (a group) reuse its encoding. A prompt longer than ``max_tokens`` keeps
+    its last tokens when it has no images; one with images cannot lose any (its image tokens must match its pixels),
+    which is an error naming the fix.
+    """
+    rows: list[dict[str, torch.Tensor]] = []
+    for index, (text, row_images_) in enumerate(zip(texts, images)):
+        if index > 0 and text == texts[index - 1] and _same_images(row_images_, images[index - 1]):
+            rows.append(rows[-1])
+            continue
+        encoded = processor(text=[text], images=[row_images_] if row_images_ else None, return_tensors="pt")
+        row = {key: value for key, value in encoded.items() if torch.is_tensor(value)}
+        length = row["input_ids"].size(1)
+        if max_tokens is not None and length > max_tokens:
+            if row_images_:
+                raise ValueError(
+                    f"A prompt with {len(row_images_)} image(s) is {length} tokens long, more than the "
+                    f"{max_tokens} prompt tokens allowed (max_prompt_length, or what the model's positions leave "
+                    "beside max_completion_length); its image tokens cannot be cut. Raise max_prompt_length, or "
+                    "make the images smaller (the processor's max_pixels / size)."
+                )
+            row = {
+                key: value[:, -max_tokens:] if value.dim() == 2 and value.size(1) == length else value
+                for key, value in row.items()
+            }
+        rows.append(row)
+    width = max(row["input_ids"].size(1) for row in rows)
+    lengths = [row["input_ids"].size(1) for row in rows]
+
+    def left_padded(key: str, value: int) -> torch.Tensor:
+        return torch.cat(
+            [torch.nn.functional.pad(row[key], (width - length, 0), value=value) for row, length in zip(rows, lengths)]
+        )
+
+    ids = left_padded("input_ids", pad_token_id)
+    mask = left_padded("attention_mask", 0)
+    token_keys = [
+        key
+        for key, value in rows[0].items()
+        if key not in ("input_ids", "attention_mask") and value.dim() == 2 and value.size(1) == lengths[0]
+    ]
+    token_aligned = {key: left_padded(key, 0) for key in token_keys}
+    pixel_inputs = [
+        {key: value for key, value in row.items() if key not in ("input_ids", "attention_mask", *token_keys)}
+        for row in rows
+    ]
+    return EncodedPrompts(ids, mask, token_aligned, pixel_inputs)
+
+
+def _same_images(first: list[Any], second: list[Any]) -> bool:
+    return len(first) == len(second) and all(a is b or a == b for a, b in zip(first, second))
+
+
+def collate_pixel_inputs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch's per-image inputs from its rows' (rows without images add nothing).
+
+    Rows' tensors are concatenated along the first dimension, in row order, which is the order the model meets the
+    image tokens in. Where rows' tensors differ in a later dimension (images split into different numbers of tiles,
+    rows with different numbers of images), they are zero-padded to the largest, as the processors pad a batch.
+    """
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    collated = {}
+    for key in keys:
+        tensors = [row[key] for row in rows if key in row]
+        shape = [max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors))]
+        padded = []
+        for tensor in tensors:
+            padding = []
+            for size, target in zip(reversed(tensor.shape[1:]), reversed(shape)):
+                padding += [0, target - size]
+            padded.append(torch.nn.functional.pad(tensor, padding) if any(padding) else tensor)
+        collated[key] = torch.cat(padded)
+    return collated
