@@ -17,14 +17,48 @@ Every TargetPOConfig field is a flag, and a model, dataset and rewards from the 
         --per_device_train_batch_size 8 --num_generations 8 --max_completion_length 128 --output_dir outputs/qwen-tpo
 
 ``--reward_funcs`` takes built-in names (below) and reward-model ids or paths, in any mix.
+
+The model flags of TRL's ``ModelConfig`` work as in TRL's GRPO script, with TRL's names, defaults and meaning:
+
+    --model_revision REV            branch, tag or commit of --model_name_or_path (model and tokenizer); "main"
+    --dtype {auto,bfloat16,float16,float32}
+                                    precision the model is loaded in; "float32", as in TRL (auto: the checkpoint's)
+    --attn_implementation NAME      eager, sdpa, flash_attention_2, ...; default: the model's own choice
+    --trust_remote_code             run code shipped in the model's repository. One flag, TargetPOConfig's (TRL's
+                                    GRPOConfig has it too): it reaches the policy, its tokenizer and reward models
+    --use_peft                      train LoRA adapters only; the output folder then holds the adapter
+      --lora_r 16 --lora_alpha 32 --lora_dropout 0.05 --lora_target_modules NAME [NAME ...]
+      --lora_target_parameters NAME [NAME ...] --lora_modules_to_save NAME [NAME ...]
+      --lora_task_type CAUSAL_LM --use_rslora --use_dora
+                                    the LoRA settings, ignored without --use_peft (as in TRL)
+    --load_in_4bit | --load_in_8bit bitsandbytes quantisation of the base model (QLoRA), on this process's GPU
+      --bnb_4bit_quant_type {nf4,fp4} --use_bnb_nested_quant --bnb_4bit_quant_storage DTYPE
+                                    4-bit settings; the 4-bit compute dtype is --dtype
+
+For example, QLoRA on a CUDA GPU with bitsandbytes installed:
+
+    accelerate launch examples/target_po.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 \\
+        --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules all-linear --load_in_4bit \\
+        --dataset_name my-org/prompts --reward_funcs exact_match --output_dir outputs/qwen-qlora-tpo
+
+A single --lora_target_modules value that is "all-linear" or a regular expression is passed to PEFT as a string (a
+pattern matched against whole module names); plain module names stay a list (matched as name suffixes), so
+``--lora_target_modules q_proj`` works too. Keys given in --model_init_kwargs (JSON) win over these flags.
+
+With the embedded model (no --model_name_or_path), which is built in memory rather than loaded, --dtype casts it
+(auto keeps its float32), --attn_implementation switches its attention and --use_peft wraps it; --model_revision,
+--load_in_4bit and --load_in_8bit need a model to load and are refused with a message saying so. Quantisation is
+refused before any work, with what is missing, when bitsandbytes is not installed or no CUDA GPU is visible.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer, HfArgumentParser
+import torch
+from transformers import AutoTokenizer, BitsAndBytesConfig, HfArgumentParser, PreTrainedModel
 
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import (
@@ -107,6 +141,231 @@ class ScriptArguments:
     num_prompts: int = field(default=4096, metadata={"help": "Embedded task: number of prompts generated."})
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass
+class ModelArguments:
+    """The model flags of TRL's ``ModelConfig``: same names, defaults and meaning.
+
+    Two of ModelConfig's fields live elsewhere, so each flag exists once: ``model_name_or_path`` in
+    :class:`ScriptArguments`, and ``trust_remote_code`` in TargetPOConfig (as in TRL, whose GRPOConfig has it).
+    """
+
+    model_revision: str = field(
+        default="main",
+        metadata={
+            "help": "Branch, tag or commit id of --model_name_or_path to load, for the model and its tokenizer. "
+            "Needs --model_name_or_path."
+        },
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Precision the model is loaded in: bfloat16, float16, float32 (the default, as in TRL), or auto "
+            "(the checkpoint's own). The embedded model is cast to it (auto keeps its float32). With --load_in_4bit it "
+            "is also the compute dtype, so it must name one.",
+            "choices": list(DTYPES),
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Attention implementation, e.g. eager, sdpa or flash_attention_2 (which needs the flash-attn "
+            "package). Default: the model's own choice."
+        },
+    )
+    use_peft: bool = field(
+        default=False,
+        metadata={
+            "help": "Train LoRA adapters (the --lora_* flags) instead of every weight; the output is the adapter."
+        },
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank r."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the adapter's scale is alpha / r."})
+    lora_dropout: float = field(
+        default=0.05,
+        metadata={
+            "help": "Dropout on the adapters' inputs. disable_dropout (on by default here) sets it to 0 like every "
+            "dropout in the policy; pass --disable_dropout false to keep it."
+        },
+    )
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Modules that get adapters: names (matched as suffixes), or one value that is 'all-linear' or a "
+            "regular expression. Default: PEFT's choice for the architecture."
+        },
+    )
+    lora_target_parameters: list[str] | None = field(
+        default=None,
+        metadata={"help": "Parameters (not modules) that get adapters, e.g. a mixture-of-experts layer's weights."},
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None,
+        metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."},
+    )
+    lora_task_type: str = field(
+        default="CAUSAL_LM",
+        metadata={"help": "PEFT task type. The policy is a causal language model, so only CAUSAL_LM is accepted."},
+    )
+    use_rslora: bool = field(
+        default=False,
+        metadata={
+            "help": "Rank-stabilised LoRA: scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r."
+        },
+    )
+    use_dora: bool = field(
+        default=False,
+        metadata={
+            "help": "DoRA: train each adapted weight's magnitude separately from its direction (LoRA). Linear and "
+            "Conv2D layers only; slower than LoRA."
+        },
+    )
+    load_in_8bit: bool = field(
+        default=False,
+        metadata={"help": "Load the base model in 8 bits with bitsandbytes (needs --use_peft and a CUDA GPU)."},
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "Load the base model in 4 bits with bitsandbytes, QLoRA (needs --use_peft and a CUDA GPU)."},
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "4-bit quantisation type.", "choices": ["fp4", "nf4"]}
+    )
+    use_bnb_nested_quant: bool = field(
+        default=False,
+        metadata={"help": "Nested (double) 4-bit quantisation: the quantisation constants are quantised too."},
+    )
+    bnb_4bit_quant_storage: str | None = field(
+        default=None,
+        metadata={"help": "dtype the packed 4-bit weights are stored in (e.g. uint8, bfloat16). Default: uint8."},
+    )
+
+
+def model_argument_problems(script_args: ScriptArguments, model_args: ModelArguments) -> list[str]:
+    """What stops the model flags from working, on this command line and on this machine; empty when nothing does.
+
+    Checked before any data or model is loaded, so a bad combination fails in seconds.
+    """
+    problems = []
+    embedded = script_args.model_name_or_path is None
+    if embedded and model_args.model_revision != "main":
+        problems.append(
+            f"--model_revision {model_args.model_revision} selects a version of --model_name_or_path, but none was "
+            "given: the embedded model is built in memory and has no revisions. Pass --model_name_or_path or drop "
+            "--model_revision."
+        )
+    if model_args.use_peft and model_args.lora_task_type != "CAUSAL_LM":
+        problems.append(
+            f"--lora_task_type {model_args.lora_task_type}: the policy is a causal language model, so its adapters "
+            "must be CAUSAL_LM (the default). SEQ_CLS is for reward models, which are not trained here."
+        )
+    bits = [
+        name
+        for name, on in (("--load_in_4bit", model_args.load_in_4bit), ("--load_in_8bit", model_args.load_in_8bit))
+        if on
+    ]
+    if not bits:
+        return problems
+    if len(bits) == 2:
+        return [*problems, "--load_in_4bit and --load_in_8bit exclude each other: choose one precision."]
+    (flag,) = bits
+    if embedded:
+        problems.append(
+            f"{flag} quantises a model while loading it, and the embedded model is built in memory, not loaded: pass "
+            "--model_name_or_path."
+        )
+    if not model_args.use_peft:
+        problems.append(
+            f"{flag} needs --use_peft: quantised weights cannot be trained, only LoRA adapters on top of them (QLoRA)."
+        )
+    if model_args.load_in_4bit and model_args.dtype == "auto":
+        problems.append(
+            "--load_in_4bit computes in --dtype, which must then name one: pass --dtype bfloat16 (or float16 or "
+            "float32) instead of auto."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as error:  # not installed, or without the native library it needs
+        problems.append(
+            f"{flag} needs the bitsandbytes package, which cannot be imported here ({type(error).__name__}: {error}): "
+            "pip install bitsandbytes."
+        )
+    if not torch.cuda.is_available():
+        problems.append(
+            f"{flag} needs a CUDA GPU, and none is visible (torch.cuda.is_available() is False): run on a machine "
+            "with an NVIDIA GPU and a CUDA build of torch, or drop the flag and train LoRA adapters on the unquantised "
+            "model (--use_peft alone)."
+        )
+    return problems
+
+
+def quantization_config(model_args: ModelArguments) -> BitsAndBytesConfig | None:
+    """The bitsandbytes settings of --load_in_4bit / --load_in_8bit, or None without them."""
+    if model_args.load_in_4bit:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_compute_dtype=getattr(torch, model_args.dtype),  # the precision the rest of the model runs in
+            bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+            bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,
+        )
+    if model_args.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def model_init_kwargs(model_args: ModelArguments, training_args: TargetPOConfig) -> dict:
+    """``from_pretrained`` keyword arguments for a model loaded by id or path, from the model flags; keys given in
+    --model_init_kwargs win. The trainer adds ``trust_remote_code`` from TargetPOConfig."""
+    kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
+    if model_args.attn_implementation is not None:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    quantization = quantization_config(model_args)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+        # A quantised model cannot be moved once loaded: it loads whole onto this process's own GPU.
+        kwargs["device_map"] = {"": training_args.local_process_index}
+    return {**kwargs, **(training_args.model_init_kwargs or {})}
+
+
+def adapt_built_model(model: PreTrainedModel, model_args: ModelArguments) -> PreTrainedModel:
+    """Apply --dtype and --attn_implementation to a model built in memory (the embedded one)."""
+    if model_args.dtype != "auto":  # auto: the dtype the weights already have
+        model = model.to(getattr(torch, model_args.dtype))
+    if model_args.attn_implementation is not None:
+        model.set_attn_implementation(model_args.attn_implementation)
+    return model
+
+
+def lora_config(model_args: ModelArguments):
+    """The ``peft.LoraConfig`` of --use_peft and the --lora_* flags, or None without --use_peft (the flags are then
+    ignored, as in TRL)."""
+    if not model_args.use_peft:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError as error:
+        raise SystemExit("error: --use_peft needs the peft package: pip install peft.") from error
+    target_modules = model_args.lora_target_modules
+    if target_modules is not None and len(target_modules) == 1 and not re.fullmatch(r"[\w.]+", target_modules[0]):
+        # PEFT reads a string as 'all-linear' or a regular expression over whole module names, a list as names.
+        target_modules = target_modules[0]
+    return LoraConfig(
+        task_type=model_args.lora_task_type,
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=target_modules,
+        target_parameters=model_args.lora_target_parameters,
+        modules_to_save=model_args.lora_modules_to_save,
+        bias="none",
+        use_rslora=model_args.use_rslora,
+        use_dora=model_args.use_dora,
+    )
+
+
 def rollout_sampling(args: TargetPOConfig) -> dict:
     """The `GenerationConfig` settings with which the trainer sampled rollouts (generation_kwargs last, as there)."""
     return {
@@ -121,19 +380,21 @@ def rollout_sampling(args: TargetPOConfig) -> dict:
     }
 
 
-def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig]:
-    parser = HfArgumentParser((ScriptArguments, TargetPOConfig))
+def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, ModelArguments]:
+    parser = HfArgumentParser((ScriptArguments, TargetPOConfig, ModelArguments))
     # The embedded task's defaults apply only when it is the task: a Hub model keeps the library's RL defaults.
     wants_help = any(arg in ("-h", "--help") for arg in argv)
-    peek = None if wants_help else HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(
-        argv, return_remaining_strings=True
-    )[0]
+    peek = (
+        None
+        if wants_help
+        else HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
+    )
     if wants_help or peek.dataset_name is None:
         parser.set_defaults(**EMBEDDED_DEFAULTS)
         if not wants_help and peek.task == "guess":
             parser.set_defaults(**GUESS_DEFAULTS)
-    script_args, training_args = parser.parse_args_into_dataclasses(argv)
-    return script_args, training_args
+    script_args, training_args, model_args = parser.parse_args_into_dataclasses(argv)
+    return script_args, training_args, model_args
 
 
 def load_data(script_args: ScriptArguments):
@@ -156,7 +417,7 @@ def load_data(script_args: ScriptArguments):
 
 
 def main(argv: list[str] | None = None) -> TargetPOTrainer:
-    script_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    script_args, training_args, model_args = parse_arguments(sys.argv[1:] if argv is None else argv)
     embedded_task = script_args.dataset_name is None
     guess_task = embedded_task and script_args.task == "guess"
     names = script_args.reward_funcs or (["exact_reversal"] if embedded_task and not guess_task else None)
@@ -168,16 +429,28 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             "('0', '1', '=') can only read the embedded reversal task, not another dataset's text. Pass a model id or "
             "path, e.g. --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct."
         )
+    problems = model_argument_problems(script_args, model_args)
+    if problems:
+        raise SystemExit("error: " + "\nerror: ".join(problems))
+    peft_config = lora_config(model_args)
     reward_funcs = [BUILTIN_REWARDS.get(name, name) for name in names or []]
     train_dataset, eval_dataset = load_data(script_args)
 
     try:
         if script_args.model_name_or_path is None:
             tokenizer = guessing_tokenizer() if guess_task else reverse_task_tokenizer()
-            model = build_tiny_causal_lm(tokenizer, seed=training_args.seed)
+            model = adapt_built_model(build_tiny_causal_lm(tokenizer, seed=training_args.seed), model_args)
         else:
+            # Loaded by the trainer, with these keyword arguments and TargetPOConfig's trust_remote_code.
             model = script_args.model_name_or_path
-            tokenizer = from_pretrained_or_explain(AutoTokenizer, model, "tokenizer")
+            training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
+            tokenizer = from_pretrained_or_explain(
+                AutoTokenizer,
+                model,
+                "tokenizer",
+                revision=model_args.model_revision,
+                trust_remote_code=training_args.trust_remote_code,
+            )
         if guess_task and training_args.generation_kwargs is None:
             training_args.generation_kwargs = digits_only_generation_kwargs(tokenizer)
         elif embedded_task:
@@ -194,6 +467,7 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
             environment_factory=GuessingGame if guess_task else None,
+            peft_config=peft_config,
         )
     except OSError as error:  # a model, tokenizer or reward model that is neither on disk nor reachable
         raise SystemExit(f"error: {error}") from error

@@ -380,7 +380,7 @@ class GRPOConfig(TrainingArguments):
         default=1.0,
         metadata={
             "help": "Train only on the completion tokens whose entropy is in this top fraction of the step's tokens "
-            "(over every process): 0.2 keeps the 20% most uncertain tokens, 1.0 keeps all."
+            "(over every process): 0.2 keeps the most uncertain fifth of the tokens, 1.0 keeps all."
         },
     )
     off_policy_mask_threshold: float | None = field(

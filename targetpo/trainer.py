@@ -150,12 +150,13 @@ class TargetPOTrainer(Trainer):
     """Fine-tune a causal language model with Target Policy Optimization.
 
     Args:
-        model: a model id or local path, or a ``PreTrainedModel`` for causal language modelling.
+        model: a model id or local path, or a ``PreTrainedModel`` for causal language modelling or image-text-to-text.
         reward_funcs: one or several reward functions (``f(prompts, completions, completion_ids, **kwargs)``),
             reward models (``PreTrainedModel`` for sequence classification) or reward-model ids.
         args: a :class:`~targetpo.TargetPOConfig`.
         train_dataset, eval_dataset: prompt-only datasets with a ``prompt`` column (string or chat messages).
-        processing_class: the policy's tokenizer; loaded from the model's id when omitted.
+        processing_class: the policy's tokenizer, or a vision-language model's processor (prompts with images, from an
+            ``image`` or ``images`` column); loaded from the model's id when omitted.
         reward_processing_classes: one tokenizer per reward function (None for plain functions).
         callbacks, optimizers: as for ``transformers.Trainer``.
         peft_config: a ``peft.PeftConfig``; only the adapters train and the reference is the adapter-free base.
