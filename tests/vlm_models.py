@@ -54,6 +54,15 @@ ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava_next", "idefics3", "
 
 HIDDEN = 32  # text and vision hidden size
 HEADS = 2  # attention heads (head_dim 16)
+#: A one-layer vision tower over 28-pixel images in 7-pixel patches, for Gemma3's and Idefics3's (SmolVLM's) towers.
+SIGLIP_LIKE_VISION = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": 2 * HIDDEN,
+    "num_hidden_layers": 1,
+    "num_attention_heads": HEADS,
+    "image_size": 28,
+    "patch_size": 7,
+}
 MAX_POSITIONS = 512
 
 
@@ -249,14 +258,7 @@ def build_tiny_gemma3(seed: int = 0, text_layers: int = 1):
         "layer_types": ["full_attention"] * text_layers,
         "sliding_window": 16,
     }
-    vision = {
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": 1,
-        "num_attention_heads": HEADS,
-        "image_size": 28,
-        "patch_size": 7,
-    }
+    vision = dict(SIGLIP_LIKE_VISION)
     config = Gemma3Config(
         text_config=text,
         vision_config=vision,
@@ -345,14 +347,7 @@ def _build_idefics(seed: int, text_layers: int, smol: bool):
         image_seq_len=tokens_per_image,
         chat_template=tokenizer.chat_template,
     )
-    vision = {
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": 1,
-        "num_attention_heads": HEADS,
-        "image_size": 28,
-        "patch_size": 7,
-    }
+    vision = dict(SIGLIP_LIKE_VISION)
     config_class, vision_class, model_class = (
         (SmolVLMConfig, SmolVLMVisionConfig, SmolVLMForConditionalGeneration)
         if smol
