@@ -550,7 +550,8 @@ class TargetPOTrainer(Trainer):
                 dataset, self._group_size("eval"), split="eval", images_allowed=self._images_need is None
             )
             return self._get_dataloader(dataset=stream, description="Evaluation", batch_size=self.args.eval_batch_size)
-        return super().get_eval_dataloader(dataset)
+        # A name goes on as it is: the Trainer keeps each named dataset's (persistent-worker) loader under its name.
+        return super().get_eval_dataloader(eval_dataset if isinstance(eval_dataset, str) else dataset)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         # The rollout metrics logged during evaluation take the same prefix as the loss: `eval_<name>_...` for each
@@ -624,13 +625,15 @@ class TargetPOTrainer(Trainer):
                 columns["environments"] = environments
         elif self._images_need is None and image_column(rows[0]) is not None:
             with self._failures_reach_every_process("encoding the prompts and their images"):
+                images = [row_images(row) for row in rows]
                 prompts = [
-                    with_image_parts(row["prompt"], len(row_images(row)), index) for index, row in enumerate(rows)
+                    with_image_parts(row["prompt"], len(row_images_), index)
+                    for index, (row, row_images_) in enumerate(zip(rows, images))
                 ]
                 encoded = encode_prompts_with_images(
                     self._processor,
                     self._render_prompts(prompts),
-                    [row_images(row) for row in rows],
+                    images,
                     self._max_prompt_tokens,
                     self.sampling.pad_token_id,
                 )
@@ -1005,7 +1008,7 @@ class TargetPOTrainer(Trainer):
             lengths = batch["prompt_mask"].sum(dim=1) + batch["completion_attention_mask"].sum(dim=1)
             selected = lengths.argmin().reshape(1)
         inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
-        image_inputs = None
+        image_inputs, prompt_aligned = None, None
         if PIXEL_INPUTS in batch:  # prompts with images: the rows' pixels, and the per-token extras of their prompts
             pixel_rows = (
                 batch[PIXEL_INPUTS] if selected is None else [batch[PIXEL_INPUTS][i] for i in selected.tolist()]
@@ -1020,7 +1023,7 @@ class TargetPOTrainer(Trainer):
             model,
             *inputs,
             image_inputs=image_inputs,
-            prompt_aligned=prompt_aligned if image_inputs is not None else None,
+            prompt_aligned=prompt_aligned,
             temperature=self.args.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
