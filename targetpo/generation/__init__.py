@@ -9,13 +9,22 @@ from typing import Any
 
 from torch import nn
 
-from .base import Completions, PendingCompletions, RolloutBackend, completion_masks, pad_completions, unpadded_prompts
+from .base import (
+    Completions,
+    PendingCompletions,
+    PromptImages,
+    RolloutBackend,
+    completion_masks,
+    pad_completions,
+    unpadded_prompts,
+)
 from .sampling import SamplingSettings
 from .transformers_backend import TransformersBackend
 
 __all__ = [
     "Completions",
     "PendingCompletions",
+    "PromptImages",
     "RolloutBackend",
     "SamplingSettings",
     "TransformersBackend",

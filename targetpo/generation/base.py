@@ -82,6 +82,37 @@ class Completions:
         return Completions(**tensors, extra={key: values[selection] for key, values in self.extra.items()})
 
 
+@dataclass
+class PromptImages:
+    """The images of a step's prompts, in the two forms backends take them.
+
+    ``model_inputs`` are the processor's outputs for ``model.generate`` (the rows' pixel inputs concatenated, and the
+    per-token extras of the left-padded prompts). An engine that runs the image processor itself (vLLM) takes each
+    row's ``images`` with its ``unexpanded_ids``: the prompt as the tokenizer writes it, one placeholder per image,
+    which the engine expands as the processor did (the expansion must give the row's prompt ids exactly). A row
+    without images has an empty list and generates from its prompt ids.
+    """
+
+    model_inputs: dict[str, torch.Tensor]
+    images: list[list[Any]]
+    unexpanded_ids: list[list[int]]
+
+
+def check_expanded_prompts(expected: Sequence[Sequence[int]], engine_ids: Sequence[Sequence[int] | None]) -> None:
+    """Refuse completions an engine sampled from other prompt tokens than the trainer's: an engine that expands image
+    placeholders unlike the processor would have its completions trained against a prompt they never saw."""
+    for row, (ours, theirs) in enumerate(zip(expected, engine_ids)):
+        if theirs is None or list(theirs) == list(ours):
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise ValueError(
+            f"vLLM expanded the image placeholders of prompt {row} into other tokens than the processor did "
+            f"({len(theirs)} tokens against {len(ours)}, first differing at position {first}): the completions "
+            "would be trained against a prompt they were not sampled from. Give vLLM the same model and processor "
+            "files as the trainer's processing_class."
+        )
+
+
 class PendingCompletions:
     """Completions being generated; :meth:`result` waits for them. Backends that cannot overlap generation with
     training return them already made."""
@@ -106,29 +137,43 @@ class RolloutBackend:
             cannot guard it per process; such a backend makes its own failures reach every process.
         holds_weights: it samples from weights of its own, which :meth:`sync_weights` keeps equal to the policy's.
         overlaps_training: :meth:`start` returns before the completions are made, so training can go on meanwhile.
+        takes_images: :meth:`generate` and :meth:`start` take prompts with images (``images``).
     """
 
     collective: bool = False
     holds_weights: bool = False
     overlaps_training: bool = False
+    takes_images: bool = False
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images: PromptImages | None = None,
     ) -> Completions:
         """One completion per left-padded prompt row; rows that repeat a prompt give independent samples.
 
         ``max_new_tokens`` lowers the configured completion length for this call (a multi-turn rollout's later turns
-        have less room left)."""
-        return self.start(prompt_ids, prompt_mask, max_new_tokens).result()
+        have less room left). ``images`` come with prompts that hold images (backends with ``takes_images``)."""
+        return self.start(prompt_ids, prompt_mask, max_new_tokens, images).result()
 
     def start(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images: PromptImages | None = None,
     ) -> PendingCompletions:
         """Start generating; the default generates at once."""
         started = time.perf_counter()
-        # A backend written for single-turn rollouts may not take the limit: it is passed only when there is one.
-        limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-        pending = PendingCompletions(self.generate(prompt_ids, prompt_mask, **limit))
+        # A backend written for single-turn text rollouts may take neither: each is passed only when there is one.
+        optional = {"max_new_tokens": max_new_tokens, "images": images}
+        pending = PendingCompletions(
+            self.generate(
+                prompt_ids, prompt_mask, **{key: value for key, value in optional.items() if value is not None}
+            )
+        )
         pending.wait_seconds = time.perf_counter() - started
         return pending
 

@@ -22,8 +22,9 @@ The trainer is rank 0 of a group of its own (it never touches the default ``torc
 side); worker *i* is rank ``rank_offset + i``. A push runs inside vLLM's layerwise reload (``start_weight_update`` /
 ``finish_weight_update``), so fused layers (qkv, gate_up) load correctly whatever order and chunking the tensors
 arrive in. Pause generation around a push (``POST /pause?mode=keep``, then ``/resume``): mid-push, layers are being
-swapped. The pause also drops cached keys and values (its ``clear_cache`` defaults to true), so requests kept through
-it recompute theirs with the new weights.
+swapped. Neither the pause nor the push drops the server's cached keys and values or image features: reset them
+after the push (``POST /reset_prefix_cache?reset_running_requests=true`` and ``/reset_encoder_cache``), so that kept
+requests and later prompts recompute theirs with the new weights.
 
 Packed pushes treat the parameters, in metadata order, as one byte stream cut into buffers of exactly
 ``packed_buffer_size_bytes`` (the last one shorter): one gloo broadcast per buffer, so memory stays bounded on both

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from .base import Completions, RolloutBackend, completion_masks
+from .base import Completions, PromptImages, RolloutBackend, completion_masks
 from .sampling import SamplingSettings
 
 
@@ -21,6 +21,8 @@ class TransformersBackend(RolloutBackend):
     ``synced_gpus`` (sharded weights over several processes) every forward pass is a collective: a process whose
     completions all ended keeps stepping until every process's have.
     """
+
+    takes_images = True
 
     def __init__(
         self,
@@ -59,10 +61,10 @@ class TransformersBackend(RolloutBackend):
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         max_new_tokens: int | None = None,
-        image_inputs: dict[str, torch.Tensor] | None = None,
+        images: PromptImages | None = None,
     ) -> Completions:
-        """As :meth:`RolloutBackend.generate`; prompts with images bring the model's ``image_inputs`` (pixel values,
-        image grids, token type ids) too."""
+        """As :meth:`RolloutBackend.generate`; prompts with images bring the model's inputs for them (pixel values,
+        image grids, token type ids)."""
         generation_config = self.generation_config
         if max_new_tokens is not None:
             generation_config = copy.deepcopy(generation_config)
@@ -77,7 +79,7 @@ class TransformersBackend(RolloutBackend):
                         attention_mask=prompt_mask,
                         generation_config=generation_config,
                         synced_gpus=self.synced_gpus,
-                        **(image_inputs or {}),
+                        **(images.model_inputs if images is not None else {}),
                     )
             finally:
                 model.train(was_training)

@@ -21,7 +21,14 @@ from torch import nn
 
 from ..distributed import failures_reach_every_process
 from ..modeling import is_peft_model, merged_adapters
-from .base import Completions, RolloutBackend, pad_completions, unpadded_prompts
+from .base import (
+    Completions,
+    PromptImages,
+    RolloutBackend,
+    check_expanded_prompts,
+    pad_completions,
+    unpadded_prompts,
+)
 from .sampling import SamplingSettings
 
 VLLM_INSTALL_HINT = (
@@ -107,13 +114,30 @@ class VLLMEngine:
             )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], settings: dict[str, Any], seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        settings: dict[str, Any],
+        seeds: Sequence[int],
+        images: PromptImages | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion per prompt, each from its own seed: token ids and their sampling log-probs."""
+        """One completion per prompt, each from its own seed: token ids and their sampling log-probs.
+
+        With ``images``, each prompt is sent as its unexpanded ids with its images; the engine expands the
+        placeholders, which must give ``prompts`` exactly."""
         vllm = import_vllm()
         params = [make_sampling_params(settings, seed) for seed in seeds]
-        requests = [vllm.TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        if images is None:
+            requests = [vllm.TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        else:
+            requests = [
+                vllm.TokensPrompt(prompt_token_ids=list(ids), multi_modal_data={"image": row_images})
+                if row_images
+                else vllm.TokensPrompt(prompt_token_ids=list(prompt))
+                for prompt, ids, row_images in zip(prompts, images.unexpanded_ids, images.images)
+            ]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if images is not None:
+            check_expanded_prompts(prompts, [output.prompt_token_ids for output in outputs])
         token_ids, token_logps = [], []
         for output in outputs:
             completion = output.outputs[0]
@@ -126,6 +150,9 @@ class VLLMEngine:
         that got only part of a fused layer's weights (q without k and v) would fill the rest with garbage."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         self.llm.reset_prefix_cache()  # cached prompt activations came from the old weights
+        # So did cached image features. The reload empties the runner's encoder cache but not the scheduler's record
+        # of it, which would then skip encoding an image it thinks is cached ("Encoder cache miss"): reset both.
+        self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
         if self.enable_sleep_mode and not self.asleep:
@@ -246,6 +273,7 @@ class VLLMColocateBackend(RolloutBackend):
     """
 
     holds_weights = True
+    takes_images = True
 
     def __init__(self, policy: nn.Module, settings: SamplingSettings, tokenizer: Any = None, **engine_kwargs: Any):
         self.settings = settings
@@ -258,23 +286,37 @@ class VLLMColocateBackend(RolloutBackend):
             # A model built from a config names no architecture; the engine picks its model class by that name.
             config.architectures = config.architectures or [type(base).__name__]
             config.save_pretrained(config_dir)
-            if settings.structured_outputs_regex is not None:
-                # The engine compiles the regular expression against the vocabulary: it needs the tokenizer.
+            # The engine compiles a regular expression against the vocabulary, and runs a vision-language model's
+            # image processor on the images itself: it needs the tokenizer (or processor) for these.
+            needs = (
+                "vllm_structured_outputs_regex"
+                if settings.structured_outputs_regex is not None
+                else "a vision-language policy"
+                if getattr(config, "vision_config", None) is not None
+                else None
+            )
+            if needs is not None:
                 if tokenizer is None:
-                    raise ValueError("vllm_structured_outputs_regex needs the policy's tokenizer for the engine.")
+                    raise ValueError(f"{needs} needs the policy's tokenizer or processor for the vLLM engine.")
                 tokenizer.save_pretrained(config_dir)
                 engine_kwargs["skip_tokenizer_init"] = False
             self.engine = VLLMEngine(config_dir, dtype=dtype, load_format="dummy", **engine_kwargs)
         self._awake = False  # inside a session: the engine stays awake between generate calls
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images: PromptImages | None = None,
     ) -> Completions:
         # One seed per row from this process's generator: distinct samples, reproducible from the run's seed.
         seeds = torch.randint(0, 2**31 - 1, (prompt_ids.size(0),)).tolist()
         fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
         with self.session():
-            token_ids, token_logps = self.engine.generate(unpadded_prompts(prompt_ids, prompt_mask), fields, seeds)
+            prompts = unpadded_prompts(prompt_ids, prompt_mask)
+            with_images = {} if images is None else {"images": images}
+            token_ids, token_logps = self.engine.generate(prompts, fields, seeds, **with_images)
         settings = self.settings
         return pad_completions(token_ids, token_logps, settings.pad_token_id, settings.eos_token_ids, prompt_ids.device)
 

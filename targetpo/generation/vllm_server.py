@@ -2,7 +2,8 @@
 
 Start the server on the devices reserved for generation (``targetpo-vllm-serve`` prints and runs the command), then
 train on the others. The main training process talks to the server: it sends every process's prompts, as token ids,
-to vLLM's token-in/token-out endpoint and hands each process its share; after each optimiser step it pushes the
+to vLLM's token-in/token-out endpoint (prompts with images as their unexpanded ids and the images, lossless PNG
+data URLs, which the server's processor expands) and hands each process its share; after each optimiser step it pushes the
 policy's weights with vLLM's weight-transfer engines (NCCL between GPUs; on CPUs the gloo engine of
 ``gloo_transfer.py``, which vLLM loads as a plugin). Every error, on the server or on any process, reaches every
 process.
@@ -11,6 +12,8 @@ process.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import socket
 import threading
 import time
@@ -25,7 +28,15 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch import nn
 
 from ..distributed import failures_reach_every_process
-from .base import Completions, PendingCompletions, RolloutBackend, pad_completions, unpadded_prompts
+from .base import (
+    Completions,
+    PendingCompletions,
+    PromptImages,
+    RolloutBackend,
+    check_expanded_prompts,
+    pad_completions,
+    unpadded_prompts,
+)
 from .sampling import SamplingSettings
 from .vllm_backend import export_for_engine, make_sampling_params
 
@@ -124,6 +135,19 @@ class VLLMServerClient:
     def resume(self) -> None:
         self._request("POST", "/resume")
 
+    def forget_cached_activations(self) -> None:
+        """Drop the prefix cache's keys and values and the encoder's cached image features: both were computed with
+        the weights just replaced, and a later prompt sharing a cached prefix or image would be served them. Requests
+        kept through a pause give up their cache too and recompute it with the new weights."""
+        reset = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not (reset or {}).get("success", False):
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} could not drop its prefix cache after a weight push, so prompts "
+                "would be continued from keys and values of the old weights. Start it without a KV connector that "
+                "holds cache blocks, or with --no-enable-prefix-caching."
+            )
+        self._request("POST", "/reset_encoder_cache")
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
 
@@ -147,7 +171,9 @@ class VLLMServerClient:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as error:
-            raise VLLMServerError(f"The vLLM server at {self.base_url} could not be reached for {path}: {error}") from error
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} could not be reached for {path}: {error}"
+            ) from error
         _raise_for_status(response, path)
         return response.json() if response.content else None
 
@@ -159,19 +185,24 @@ class VLLMServerClient:
         seeds: Sequence[int],
         request_ids: Sequence[str],
         cancellation: Cancellation | None = None,
+        image_urls: Sequence[Sequence[str]] | None = None,
     ) -> list[dict[str, Any]]:
         """One completion per prompt, all requests in flight at once (vLLM batches them): per prompt its token ids,
         their sampling log-probs and the versions of the weights that wrote them. ``fields`` are the sampling
-        parameters of every request, or of each. ``cancellation.cancel()``, from any thread, stops them: this raises
-        :class:`GenerationCancelled` and the server aborts the requests."""
+        parameters of every request, or of each. ``image_urls`` gives each prompt's images (a prompt with some is
+        given unexpanded; its reply holds the expanded ``prompt_token_ids``). ``cancellation.cancel()``, from any
+        thread, stops them: this raises :class:`GenerationCancelled` and the server aborts the requests."""
         if isinstance(fields, dict):
             fields = [fields] * len(prompts)
+        image_urls = image_urls or [[] for _ in prompts]
         try:
-            return asyncio.run(self._generate_all(prompts, fields, seeds, request_ids, cancellation))
+            return asyncio.run(self._generate_all(prompts, fields, seeds, request_ids, cancellation, image_urls))
         except asyncio.CancelledError:
             raise GenerationCancelled(f"Generation of {len(prompts)} completions was cancelled.") from None
 
-    async def _generate_all(self, prompts, fields, seeds, request_ids, cancellation) -> list[dict[str, Any]]:
+    async def _generate_all(
+        self, prompts, fields, seeds, request_ids, cancellation, image_urls
+    ) -> list[dict[str, Any]]:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         timeout = httpx.Timeout(None, connect=self.timeout)
         if cancellation is not None:
@@ -179,20 +210,33 @@ class VLLMServerClient:
         try:
             async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as http:
                 requests = [
-                    self._generate_one(http, prompt, {**request_fields, "seed": int(seed)}, request_id)
-                    for prompt, request_fields, seed, request_id in zip(prompts, fields, seeds, request_ids)
+                    self._generate_one(http, prompt, {**request_fields, "seed": int(seed)}, request_id, urls)
+                    for prompt, request_fields, seed, request_id, urls in zip(
+                        prompts, fields, seeds, request_ids, image_urls
+                    )
                 ]
                 return list(await asyncio.gather(*requests))
         finally:
             if cancellation is not None:
                 cancellation.detach()
 
-    async def _generate_one(self, http: httpx.AsyncClient, prompt, sampling_params, request_id) -> dict[str, Any]:
-        body = {"request_id": request_id, "token_ids": [int(token) for token in prompt], "sampling_params": sampling_params}
+    async def _generate_one(
+        self, http: httpx.AsyncClient, prompt, sampling_params, request_id, image_urls
+    ) -> dict[str, Any]:
+        body = {
+            "request_id": request_id,
+            "token_ids": [int(token) for token in prompt],
+            "sampling_params": sampling_params,
+        }
+        if image_urls:
+            body["content_parts"] = [{"type": "image_url", "url": url} for url in image_urls]
+            body["return_token_ids"] = True
         try:
             response = await http.post("/inference/v1/generate", json=body)
         except httpx.HTTPError as error:
-            raise VLLMServerError(f"The vLLM server at {self.base_url} could not be reached to generate: {error}") from error
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} could not be reached to generate: {error}"
+            ) from error
         _raise_for_status(response, "/inference/v1/generate")
         choice = response.json()["choices"][0]
         content = (choice.get("logprobs") or {}).get("content") or []
@@ -201,7 +245,17 @@ class VLLMServerClient:
             "logprobs": [entry["logprob"] for entry in content],
             "weight_versions": [span["version"] for span in choice.get("weight_versions") or []],
             "finish_reason": choice.get("finish_reason"),
+            "prompt_token_ids": response.json().get("prompt_token_ids") if image_urls else None,
         }
+
+
+def image_data_url(image: Any) -> str:
+    """An image as a PNG data URL: lossless, so the server's image processor sees the very pixels the trainer's did."""
+    from transformers.image_transforms import to_pil_image
+
+    buffer = io.BytesIO()
+    to_pil_image(image).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _raise_for_status(response: httpx.Response, path: str) -> None:
@@ -246,6 +300,7 @@ class VLLMServerBackend(RolloutBackend):
     holds_weights = True
     collective = True
     overlaps_training = True
+    takes_images = True
 
     def __init__(
         self,
@@ -282,13 +337,26 @@ class VLLMServerBackend(RolloutBackend):
 
     # ------------------------------------------------------------------------------------------ generation
     def start(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images: PromptImages | None = None,
     ) -> PendingCompletions:
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
+        expanded = prompts
+        image_urls = None
+        if images is not None:  # rows with images go as their unexpanded ids; the server expands them
+            prompts = [
+                ids if urls else prompt for prompt, ids, urls in zip(prompts, images.unexpanded_ids, images.images)
+            ]
+            image_urls = [[image_data_url(image) for image in row_images] for row_images in images.images]
         # One seed per row from each process's generator: distinct samples, reproducible from the run's seed.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         # Processes may send different numbers of rows (multi-turn rollouts), each with its own length limit.
         all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
+        # Every process takes part in the gather, with or without images (the backend does not know which others have).
+        all_image_urls = gather_object(image_urls or [[] for _ in prompts])
         counts = gather_object([len(prompts)])
         fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
         all_fields = gather_object([fields] * len(prompts))
@@ -305,7 +373,7 @@ class VLLMServerBackend(RolloutBackend):
                         "backend, or let it build its own, before generating again."
                     )
                 future = self._executor.submit(
-                    self.client.generate, all_prompts, all_fields, all_seeds, request_ids, cancellation
+                    self.client.generate, all_prompts, all_fields, all_seeds, request_ids, cancellation, all_image_urls
                 )
             except Exception as error:  # e.g. closed: the error must reach every process, through result()
                 future = Future()
@@ -314,7 +382,7 @@ class VLLMServerBackend(RolloutBackend):
             self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
         first_row = sum(counts[: self.accelerator.process_index])
         local = slice(first_row, first_row + len(prompts))
-        return _PendingServerCompletions(self, future, local, prompt_ids.device)
+        return _PendingServerCompletions(self, future, local, prompt_ids.device, expanded if images else None)
 
     # ------------------------------------------------------------------------------------------ weights
     def sync_weights(self, model: nn.Module, version: int) -> None:
@@ -333,6 +401,7 @@ class VLLMServerBackend(RolloutBackend):
             self.client.weight_version = str(version)  # tokens sampled from now on are labelled with it
             self._transfer.send_weights()
             self._source.weights = []
+            self.client.forget_cached_activations()
         finally:
             if generating:
                 self.client.resume()
@@ -359,7 +428,7 @@ class VLLMServerBackend(RolloutBackend):
         except (VLLMServerError, ValueError) as error:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} could not open a {self.transfer_backend!r} weight transfer: "
-                f"{error}. Start it with --weight-transfer-config '{{\"backend\": \"{self.transfer_backend}\"}}' (as "
+                f'{error}. Start it with --weight-transfer-config \'{{"backend": "{self.transfer_backend}"}}\' (as '
                 f"{SERVE_HINT} does) and make sure it can reach {address}:{port}."
             ) from error
 
@@ -383,9 +452,17 @@ class VLLMServerBackend(RolloutBackend):
 class _PendingServerCompletions(PendingCompletions):
     """A rollout the server is generating; :meth:`result` is collective: every process calls it together."""
 
-    def __init__(self, backend: VLLMServerBackend, future: Future | None, local: slice, device: torch.device):
+    def __init__(
+        self,
+        backend: VLLMServerBackend,
+        future: Future | None,
+        local: slice,
+        device: torch.device,
+        expanded_prompts: list[list[int]] | None = None,
+    ):
         super().__init__()
         self.backend, self.future, self.local, self.device = backend, future, local, device
+        self.expanded_prompts = expanded_prompts  # what the server's expansion of prompts with images must give
 
     def result(self) -> Completions:
         started = time.perf_counter()
@@ -400,6 +477,8 @@ class _PendingServerCompletions(PendingCompletions):
         if isinstance(reply, Exception):
             raise reply
         outputs = reply[self.local]
+        if self.expanded_prompts is not None:
+            check_expanded_prompts(self.expanded_prompts, [output["prompt_token_ids"] for output in outputs])
         settings = self.backend.settings
         return pad_completions(
             [output["token_ids"] for output in outputs],
