@@ -18,6 +18,13 @@ Every TargetPOConfig field is a flag, and a model, dataset and rewards from the 
 
 ``--reward_funcs`` takes built-in names (below) and reward-model ids or paths, in any mix.
 
+The dataset flags of TRL's ``ScriptArguments`` work as in TRL's GRPO script: --dataset_name, --dataset_config,
+--dataset_train_split, --dataset_test_split and --dataset_streaming, which reads the dataset as a stream
+(``load_dataset(..., streaming=True)``; the embedded tasks' rows are streamed too, offline) in its own order, never
+shuffled. A stream has no length, so --dataset_streaming needs --max_steps (the embedded tasks set it):
+
+    python examples/target_po.py --dataset_streaming
+
 The model flags of TRL's ``ModelConfig`` work as in TRL's GRPO script, with TRL's names, defaults and meaning:
 
     --model_revision REV            branch, tag or commit of --model_name_or_path (model and tokenizer); "main"
@@ -61,6 +68,7 @@ import torch
 from transformers import AutoTokenizer, BitsAndBytesConfig, HfArgumentParser, PreTrainedModel
 
 from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.data import check_streaming_supported
 from targetpo.demo import (
     GuessingGame,
     binary_only_generation_kwargs,
@@ -122,6 +130,14 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str | None = field(default=None, metadata={"help": "Split to evaluate on (optional)."})
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read the dataset as a stream (`datasets.IterableDataset`, `load_dataset(..., streaming=True)`; "
+            "the embedded tasks' datasets are converted with `to_iterable_dataset()`): rows are read in order as "
+            "training needs them, never shuffled, and --max_steps must be set."
+        },
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={
@@ -397,16 +413,40 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, M
     return script_args, training_args, model_args
 
 
+def streaming_problems(training_args: TargetPOConfig) -> list[str]:
+    """What stops --dataset_streaming from working with these settings; empty when nothing does.
+
+    Checked before any data or model is loaded. The trainer refuses the same settings for any stream; here the
+    message names the flag that made the dataset one.
+    """
+    problems = []
+    if training_args.max_steps <= 0:
+        problems.append(
+            "--dataset_streaming needs --max_steps: a stream has no length, so the number of training steps cannot be "
+            "derived from --num_train_epochs. Pass --max_steps N, or drop --dataset_streaming."
+        )
+    try:
+        check_streaming_supported(training_args)
+    except ValueError as error:
+        problems.append(f"--dataset_streaming: {error} Or drop --dataset_streaming.")
+    return problems
+
+
 def load_data(script_args: ScriptArguments):
-    if script_args.dataset_name is None and script_args.task == "guess":
-        return guessing_dataset(script_args.num_prompts, seed=0), None
+    """The train and (optional) evaluation datasets: streams with --dataset_streaming."""
     if script_args.dataset_name is None:
-        dataset = reverse_task_dataset(script_args.reverse_length, script_args.num_prompts, seed=0)
-        return dataset, None
+        if script_args.task == "guess":
+            dataset = guessing_dataset(script_args.num_prompts, seed=0)
+        else:
+            dataset = reverse_task_dataset(script_args.reverse_length, script_args.num_prompts, seed=0)
+        # Built in memory, so streamed offline: the same rows, read in order.
+        return (dataset.to_iterable_dataset() if script_args.dataset_streaming else dataset), None
     from datasets import load_dataset
 
     try:
-        dataset = load_dataset(script_args.dataset_name, script_args.dataset_config)
+        dataset = load_dataset(
+            script_args.dataset_name, script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
     except Exception as error:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
         raise SystemExit(
             f"error: could not load dataset {script_args.dataset_name!r}: it is not a local path and the Hugging Face "
@@ -430,6 +470,8 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             "path, e.g. --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct."
         )
     problems = model_argument_problems(script_args, model_args)
+    if script_args.dataset_streaming:
+        problems += streaming_problems(training_args)
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
     peft_config = lora_config(model_args)

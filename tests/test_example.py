@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import huggingface_hub
 import pytest
 import torch
@@ -14,7 +15,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import BitsAndBytesConfig
 
-from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
+from targetpo.demo import build_tiny_causal_lm, reverse_task_dataset, reverse_task_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "target_po.py"
@@ -90,6 +91,68 @@ def test_example_trains_on_a_local_dataset_with_a_builtin_reward(tmp_path):
     )
     assert trainer.state.global_step == 2
     assert any("rewards/exact_match_reward/mean" in entry for entry in trainer.state.log_history)
+
+
+def test_dataset_streaming_trains_on_the_embedded_rows_as_a_stream_in_order(tmp_path, monkeypatch):
+    """--dataset_streaming on the offline default: the trainer gets a stream, and each rollout holds the next 8 rows
+    of the embedded dataset, in its order, with their own targets (without the flag the rows are shuffled)."""
+    example = load_example()
+    seen = []
+
+    def recording_reward(prompts, completions, target, **kwargs):
+        seen.append(list(zip(prompts, target)))
+        return example.exact_reversal_reward(completions=completions, target=target)
+
+    monkeypatch.setitem(example.BUILTIN_REWARDS, "exact_reversal", recording_reward)
+    # 64 prompts of 6 bits (mostly distinct), 8 prompts x 4 completions per rollout, one rollout per step.
+    run = ["--reverse_length", "6", "--num_prompts", "64", "--per_device_train_batch_size", "32", "--num_generations",
+           "4", "--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
+    trainer = example.main([*run, "--dataset_streaming", "--output_dir", str(tmp_path / "stream")])
+    assert isinstance(trainer.train_dataset, datasets.IterableDataset)
+    assert trainer.state.global_step == 2
+    rows = reverse_task_dataset(6, 64, seed=0)
+    in_order = list(zip(rows["prompt"], rows["target"]))
+    # Rollout r: rows 8r to 8r + 7 of the stream, each prompt's 4 completions together.
+    assert seen == [[row for row in in_order[8 * r : 8 * (r + 1)] for _ in range(4)] for r in range(2)]
+
+    seen.clear()
+    trainer = example.main([*run, "--output_dir", str(tmp_path / "map")])
+    assert isinstance(trainer.train_dataset, datasets.Dataset)
+    assert len(seen) == 2 and [rollout[::4] for rollout in seen] != [in_order[:8], in_order[8:16]]  # shuffled
+
+
+def test_dataset_streaming_loads_local_splits_as_streams(tmp_path):
+    example = load_example()
+    data = tmp_path / "data"
+    data.mkdir()
+    splits = {"train": ["0011", "0101", "1100"], "test": ["1110", "0001"]}
+    for split, bits in splits.items():
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": b + "=", "solution": b[::-1]}) + "\n"
+                                                     for b in bits))
+    script_args, _, _ = example.parse_arguments(
+        ["--dataset_name", str(data), "--dataset_test_split", "test", "--dataset_streaming",
+         "--output_dir", str(tmp_path)]
+    )
+    train, test = example.load_data(script_args)
+    for stream, bits in ((train, splits["train"]), (test, splits["test"])):
+        assert isinstance(stream, datasets.IterableDataset)
+        assert [row["prompt"] for row in stream] == [b + "=" for b in bits]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dataset_name", "no-such-org/no-such-data", "--model_name_or_path", "no-such-org/no-such-model",
+          "--reward_funcs", "exact_match"], "--dataset_streaming needs --max_steps: a stream has no length"),
+        (["--max_steps", "1", "--dataloader_num_workers", "2"],
+         "--dataset_streaming: dataloader_num_workers=2 with a streamed dataset .* Or drop --dataset_streaming"),
+    ],
+)
+def test_dataset_streaming_refuses_what_a_stream_cannot_serve_naming_the_flag(tmp_path, flags, message):
+    example = load_example()
+    # Refused before anything loads: the dataset and model named above do not exist.
+    with pytest.raises(SystemExit, match=message):
+        example.main([*flags, "--dataset_streaming", "--output_dir", str(tmp_path)])
 
 
 def readme_python_block(heading):
@@ -385,5 +448,6 @@ def test_help_lists_every_flag():
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "target_po.py"), "--help"], capture_output=True,
                             text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ("--use_peft", "--lora_target_modules", "--dtype", "--top_entropy_quantile", "--loss_type"):
+    for flag in ("--use_peft", "--lora_target_modules", "--dtype", "--top_entropy_quantile", "--loss_type",
+                 "--dataset_streaming"):
         assert flag in result.stdout, flag

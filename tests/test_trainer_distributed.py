@@ -1,4 +1,5 @@
-"""The trainer's own cross-process loss path, on 2 real gloo processes, against a single-process reference."""
+"""The trainer on 2 real gloo processes: its own cross-process loss path against a single-process reference, and
+a streamed train dataset read by each process, which keeps its share of every rollout."""
 
 import pytest
 import reference as ref
@@ -6,7 +7,14 @@ import torch
 import torch.multiprocessing as mp
 from distributed_workers import NUM_GENERATIONS, tiny_model
 from test_distributed import free_port
-from trainer_workers import CASES, full_batch, trainer_loss_worker
+from trainer_workers import (
+    CASES,
+    STREAM_CASES,
+    STREAM_PROMPTS,
+    full_batch,
+    stream_share_worker,
+    trainer_loss_worker,
+)
 
 WORLD_SIZE = 2
 
@@ -41,3 +49,39 @@ def test_compute_loss_over_processes_equals_the_single_process_loss(
             torch.testing.assert_close(
                 result["grads"][param_name], param.grad, atol=1e-6, rtol=1e-4, msg=lambda m, param_name=param_name: f"{param_name}: {m}"
             )
+
+
+def rollouts_in_order(prompts_per_rollout, num_rollouts):
+    """Each rollout's completions when the prompts are read in order: a rollout's prompts, each ``NUM_GENERATIONS``
+    times in a row; a trailing partial rollout is dropped and the next epoch starts again from the first prompt."""
+    size = prompts_per_rollout
+    epoch = [STREAM_PROMPTS[start : start + size] for start in range(0, len(STREAM_PROMPTS) - size + 1, size)]
+    rollouts = (epoch * num_rollouts)[:num_rollouts]
+    return [[prompt for prompt in rollout for _ in range(NUM_GENERATIONS)] for rollout in rollouts]
+
+
+@pytest.mark.slow
+def test_a_stream_over_two_processes_gives_each_its_share_in_order(tmp_path):
+    """Each process reads the whole stream and keeps its share of every rollout: the same rows, in the same order,
+    as the same prompts from a map-style dataset (shuffle_dataset=False), and so the same trained weights."""
+    mp.spawn(stream_share_worker, args=(WORLD_SIZE, free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    for name, per_device, steps_per_generation, max_steps in STREAM_CASES:
+        share = per_device * steps_per_generation  # completions per process and rollout
+        rollouts = rollouts_in_order(share * WORLD_SIZE // NUM_GENERATIONS, max_steps // steps_per_generation)
+        runs = [{kind: torch.load(tmp_path / f"{name}_{kind}_rank{rank}.pt") for kind in ("map", "stream")}
+                for rank in range(WORLD_SIZE)]
+        for rank, run in enumerate(runs):
+            stream, mapped = run["stream"], run["map"]
+            assert stream["is_stream"] and not mapped["is_stream"]
+            assert stream["dispatch_batches"] is False  # each process reads the stream itself
+            assert stream["global_step"] == mapped["global_step"] == max_steps
+            # Process `rank` keeps the rank-th share of each rollout, as from the map-style dataset.
+            own = [rollout[rank * share : (rank + 1) * share] for rollout in rollouts]
+            assert stream["seen"] == own, (name, rank, stream["seen"])
+            assert mapped["seen"] == own, (name, rank, mapped["seen"])
+            assert (stream["weights"] - stream["initial"]).abs().max() > 1e-3  # it trained
+            assert torch.equal(stream["weights"], mapped["weights"]), (name, rank)
+        # Together the two processes trained on each rollout whole, in stream order, and stayed in step.
+        shares = zip(runs[0]["stream"]["seen"], runs[1]["stream"]["seen"])
+        assert [first + second for first, second in shares] == rollouts
+        assert torch.equal(runs[0]["stream"]["weights"], runs[1]["stream"]["weights"])

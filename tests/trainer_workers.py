@@ -1,4 +1,5 @@
-"""Worker processes that run the trainer's own loss path with prompt groups split over processes (gloo, CPU)."""
+"""Worker processes that run the trainer's own loss path with prompt groups split over processes, and train on a
+stream and on a map-style dataset of the same prompts (gloo, CPU)."""
 
 import os
 
@@ -69,5 +70,75 @@ def trainer_loss_worker(rank, world_size, port, out_dir):
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.accelerator.unwrap_model(model).named_parameters()}
         torch.save({"loss": loss.detach(), "grads": grads}, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+    torch.distributed.barrier()
+    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+
+
+#: Ten distinct prompts: in the runs below a stream of them runs out, drops its trailing partial rollout and starts
+#: again.
+STREAM_PROMPTS = [f"Say {word}:" for word in ("cat", "dog", "sun", "map", "pen", "cup", "box", "hat", "cow", "owl")]
+#: (name, per_device_train_batch_size, steps_per_generation, max_steps), with 4 completions per prompt.
+STREAM_CASES = [
+    # 2 x 6 completions: 3 prompts per rollout, the middle one's group split over the two processes.
+    ("split-groups", 6, 1, 4),
+    # 2 x 4 x 2 completions: 4 prompts per rollout, 2 per process, one per step.
+    ("two-steps-per-rollout", 4, 2, 6),
+]
+
+
+def varied_reward(completions, **kwargs):
+    """Scores that differ within groups, so that every step trains."""
+    return [float(len(set(completion))) for completion in completions]
+
+
+def stream_share_worker(rank, world_size, port, out_dir):
+    """In a 2-process gloo world, for each case: train once on a map-style dataset (in order) and once on a stream of
+    the same prompts, and save the prompts this process's reward function saw per rollout and the final weights."""
+    from datasets import IterableDataset
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    tokenizer = build_char_tokenizer()
+
+    def stream():
+        yield from ({"prompt": prompt} for prompt in STREAM_PROMPTS)
+
+    sources = {
+        "map": lambda: Dataset.from_dict({"prompt": STREAM_PROMPTS}),
+        "stream": lambda: IterableDataset.from_generator(stream),
+    }
+    for name, per_device, steps_per_generation, max_steps in STREAM_CASES:
+        for kind, make_dataset in sources.items():
+            seen = []
+
+            def recording_reward(prompts, completions, seen=seen, **kwargs):
+                seen.append(list(prompts))  # this process's share of the rollout
+                return varied_reward(completions)
+
+            args = TargetPOConfig(
+                output_dir=out_dir, per_device_train_batch_size=per_device, num_generations=NUM_GENERATIONS,
+                steps_per_generation=steps_per_generation, max_steps=max_steps, shuffle_dataset=False,
+                max_prompt_length=16, max_completion_length=4, learning_rate=1e-2, report_to="none",
+                save_strategy="no", disable_tqdm=True, seed=0, use_cpu=True, ddp_backend="gloo", ddp_timeout=60,
+            )
+            model = tiny_model()
+            initial = torch.cat([p.detach().flatten() for p in model.parameters()])
+            trainer = TargetPOTrainer(
+                model, recording_reward, args=args, train_dataset=make_dataset(), processing_class=tokenizer
+            )
+            assert trainer.accelerator.num_processes == world_size
+            trainer.train()
+            torch.save(
+                {
+                    "seen": seen,
+                    "is_stream": isinstance(trainer.train_dataset, IterableDataset),
+                    "dispatch_batches": trainer.args.accelerator_config.dispatch_batches,
+                    "global_step": trainer.state.global_step,
+                    "initial": initial,
+                    "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                },
+                os.path.join(out_dir, f"{name}_{kind}_rank{rank}.pt"),
+            )
     torch.distributed.barrier()
     os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
