@@ -9,13 +9,25 @@ run are dropped as warm-up, and the median over the rest is reported with the ra
 `pip install -e ".[bench]"`.
 
     python benchmarks/step_time.py --rounds 5 --output docs/benchmarks/step_time.json
+
+On a GPU, ``--device cuda --dtype bfloat16 --model qwen2`` trains a Qwen2-shaped model with random weights (by
+default 0.32B parameters: hidden 896, 12 layers, a 151,936-token vocabulary) on random prompts with a dense reward
+(the fraction of completion tokens with an even id), so every completion has a gradient and the skipping variant is
+left out (``--trainers targetpo trl``). Both trainers get ``bf16=True`` and the same bfloat16 weights; each step is
+timed after ``torch.cuda.synchronize()``, and the peak GPU memory of each trainer's runs is reported too:
+
+    python benchmarks/step_time.py --device cuda --dtype bfloat16 --model qwen2 --trainers targetpo trl \
+        --num_iterations 1 4 --steps 12 --warmup 4 --rounds 2 --output docs/benchmarks/step_time_h100.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import os
+import random
 import statistics
 import time
 
@@ -33,19 +45,32 @@ from targetpo.demo import (  # noqa: E402
     reverse_task_tokenizer,
 )
 
+TRAINERS = ("targetpo", "targetpo_no_skipping", "trl")
+#: Settings of the Qwen2-shaped model (``--model qwen2``); left out of the saved settings for the demo model.
+QWEN2_SETTINGS = (
+    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "prompt_length",
+    "completion_length",
+)
+
 
 class StepTimer(TrainerCallback):
-    """Wall-clock seconds of every optimiser step."""
+    """Wall-clock seconds of every optimiser step (on a GPU, after the queued kernels have finished)."""
 
-    def __init__(self):
+    def __init__(self, synchronize: bool = False):
         self.seconds: list[float] = []
         self._start = 0.0
+        self._synchronize = synchronize
+
+    def _now(self) -> float:
+        if self._synchronize:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(time.perf_counter() - self._start)
+        self.seconds.append(self._now() - self._start)
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,18 +82,105 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--reverse_length", type=int, default=6)
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="The model's weights; bfloat16 also sets bf16=True for every trainer.")
+    parser.add_argument("--model", choices=("demo", "qwen2"), default="demo",
+                        help="demo: the embedded demo model on the reversal task; qwen2: a Qwen2-shaped model with "
+                        "random weights, a word-level tokenizer of --vocab_size tokens, random prompts, dense reward.")
+    parser.add_argument("--hidden_size", type=int, default=896)
+    parser.add_argument("--num_layers", type=int, default=12)
+    parser.add_argument("--num_heads", type=int, default=14)
+    parser.add_argument("--num_kv_heads", type=int, default=2)
+    parser.add_argument("--intermediate_size", type=int, default=4864)
+    parser.add_argument("--vocab_size", type=int, default=151936)
+    parser.add_argument("--prompt_length", type=int, default=64, help="Prompt tokens (qwen2 model).")
+    parser.add_argument("--completion_length", type=int, default=256, help="max_completion_length (qwen2 model).")
     parser.add_argument("--output", default=None)
     return parser.parse_args()
 
 
-def shared_settings(args: argparse.Namespace, num_iterations: int, output_dir: str) -> dict:
-    tokenizer = reverse_task_tokenizer()
-    return dict(
+# ------------------------------------------------------------------------------------ the Qwen2-shaped GPU setting
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of ``vocab_size`` tokens ``t0 t1 ...`` (t0 unknown, t1 EOS, t2 padding): no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", eos_token="t1", pad_token="t2")
+
+
+def random_prompts_dataset(vocab_size: int, prompt_length: int, num_prompts: int, seed: int = 0):
+    """Prompts of ``prompt_length`` random non-special tokens."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    prompts = [" ".join(f"t{rng.randrange(3, vocab_size)}" for _ in range(prompt_length)) for _ in range(num_prompts)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def even_token_fraction(completions: list[str], **kwargs) -> list[float]:
+    """A dense reward: the fraction of a completion's tokens whose id is even."""
+    scores = []
+    for completion in completions:
+        ids = [int(token[1:]) for token in completion.split() if token[1:].isdigit()]
+        scores.append(sum(1 for i in ids if i % 2 == 0) / max(1, len(ids)))
+    return scores
+
+
+def build_qwen2(args: argparse.Namespace, tokenizer):
+    """The Qwen2-shaped model with random weights (seed 0), in ``args.dtype`` on ``args.device``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.prompt_length + args.completion_length, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.to(args.device, getattr(torch, args.dtype))
+
+
+class Task:
+    """What every trainer of one benchmark run shares: tokenizer, dataset, reward, generation settings, model."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        if args.model == "demo":
+            self.tokenizer = reverse_task_tokenizer()
+            self.dataset = reverse_task_dataset(args.reverse_length, num_prompts=4096, seed=0)
+            self.reward = exact_reversal_reward
+            self.completion_length = args.reverse_length
+            self.generation_kwargs = binary_only_generation_kwargs(self.tokenizer)
+            self._model = None
+        else:
+            self.tokenizer = word_tokenizer(args.vocab_size)
+            self.dataset = random_prompts_dataset(args.vocab_size, args.prompt_length, num_prompts=1024, seed=0)
+            self.reward = even_token_fraction
+            self.completion_length = args.completion_length
+            self.generation_kwargs = None
+            self._model = build_qwen2(args, self.tokenizer)
+
+    def model(self):
+        """A fresh model with the same initial weights for every run."""
+        if self._model is None:
+            return build_tiny_causal_lm(self.tokenizer, seed=0).to(getattr(torch, self.args.dtype))
+        return copy.deepcopy(self._model)
+
+
+def shared_settings(args: argparse.Namespace, task: Task, num_iterations: int, output_dir: str) -> dict:
+    settings = dict(
         output_dir=output_dir,
         per_device_train_batch_size=args.batch_size,
         num_generations=args.num_generations,
-        max_completion_length=args.reverse_length,
-        generation_kwargs=binary_only_generation_kwargs(tokenizer),
+        max_completion_length=task.completion_length,
         num_iterations=num_iterations,
         # Each rollout feeds num_iterations optimiser steps, so old log-probs are needed (and computed) by both.
         steps_per_generation=1,
@@ -80,68 +192,116 @@ def shared_settings(args: argparse.Namespace, num_iterations: int, output_dir: s
         report_to="none",
         disable_tqdm=True,
         seed=0,
-        use_cpu=True,
     )
+    if task.generation_kwargs is not None:
+        settings["generation_kwargs"] = task.generation_kwargs
+    if args.device == "cpu":
+        settings["use_cpu"] = True
+    return settings
 
 
-def timed_run(trainer_class, config_class, args, num_iterations, dataset, **config_overrides):
-    """Train one trainer for ``args.steps`` steps; the seconds of every step after the warm-up, and its logs."""
-    tokenizer = reverse_task_tokenizer()
-    timer = StepTimer()
-    settings = shared_settings(args, num_iterations, f"/tmp/step_time_{trainer_class.__name__}")
+def timed_run(trainer_class, config_class, args, task, num_iterations, **config_overrides):
+    """Train one trainer for ``args.steps`` steps; the seconds of every step after the warm-up, its logs, and its peak
+    GPU memory in GiB above what was allocated before it (None on the CPU)."""
+    on_gpu = args.device == "cuda"
+    baseline = 0
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()  # the shared initial weights, kept for the next runs
+    timer = StepTimer(synchronize=on_gpu)
+    settings = shared_settings(args, task, num_iterations, f"/tmp/step_time_{trainer_class.__name__}")
     trainer = trainer_class(
-        model=build_tiny_causal_lm(tokenizer, seed=0),
-        reward_funcs=exact_reversal_reward,
+        model=task.model(),
+        reward_funcs=task.reward,
         args=config_class(**settings, **config_overrides),
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        train_dataset=task.dataset,
+        processing_class=task.tokenizer,
         callbacks=[timer],
     )
     trainer.train()
-    return timer.seconds[args.warmup :], trainer.state.log_history
+    logs = trainer.state.log_history
+    peak_gb = (torch.cuda.max_memory_allocated() - baseline) / 2**30 if on_gpu else None
+    del trainer
+    gc.collect()
+    return timer.seconds[args.warmup :], logs, peak_gb
 
 
 def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     args = parse_args()
-    dataset = reverse_task_dataset(args.reverse_length, num_prompts=4096, seed=0)
+    task = Task(args)
+    bf16 = args.dtype == "bfloat16"
+    runs = {
+        "targetpo": (TargetPOTrainer, TargetPOConfig, {}),
+        # The same trainer putting every completion through the model, as TRL does: what skipping saves.
+        "targetpo_no_skipping": (TargetPOTrainer, TargetPOConfig, {"skip_zero_gradient_completions": False}),
+        # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
+        "trl": (GRPOTrainer, GRPOConfig, {"bf16": False, "gradient_checkpointing": False}),
+    }
     results = []
     for num_iterations in args.num_iterations:
-        seconds = {"targetpo": [], "targetpo_no_skipping": [], "trl": []}
+        seconds = {name: [] for name in args.trainers}
+        peaks = {name: [] for name in args.trainers}
         skipped_fractions = []
         for _ in range(args.rounds):
-            timed, logs = timed_run(TargetPOTrainer, TargetPOConfig, args, num_iterations, dataset)
-            seconds["targetpo"] += timed
-            skipped_fractions += [entry["completions/skipped_fraction"] for entry in logs if "completions/skipped_fraction" in entry]
-            # The same trainer putting every completion through the model, as TRL does: what skipping saves.
-            seconds["targetpo_no_skipping"] += timed_run(
-                TargetPOTrainer, TargetPOConfig, args, num_iterations, dataset, skip_zero_gradient_completions=False
-            )[0]
-            # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
-            seconds["trl"] += timed_run(
-                GRPOTrainer, GRPOConfig, args, num_iterations, dataset, bf16=False, gradient_checkpointing=False
-            )[0]
+            for name in args.trainers:
+                trainer_class, config_class, overrides = runs[name]
+                overrides = {**overrides, "bf16": True} if bf16 else overrides
+                timed, logs, peak_gb = timed_run(trainer_class, config_class, args, task, num_iterations, **overrides)
+                seconds[name] += timed
+                peaks[name].append(peak_gb)
+                if name == "targetpo":
+                    skipped_fractions += [
+                        entry["completions/skipped_fraction"] for entry in logs if "completions/skipped_fraction" in entry
+                    ]
         medians = {name: statistics.median(values) for name, values in seconds.items()}
-        result = {
-            "num_iterations": num_iterations,
-            "targetpo_median_s": round(medians["targetpo"], 4),
-            "targetpo_no_skipping_median_s": round(medians["targetpo_no_skipping"], 4),
-            "trl_median_s": round(medians["trl"], 4),
-            "targetpo_over_trl": round(medians["targetpo"] / medians["trl"], 3),
-            "targetpo_no_skipping_over_trl": round(medians["targetpo_no_skipping"] / medians["trl"], 3),
-            "targetpo_skipped_fraction": round(statistics.mean(skipped_fractions), 3),
-            "steps_timed_each": len(seconds["targetpo"]),
-        }
+        result = {"num_iterations": num_iterations}
+        for name in args.trainers:
+            result[f"{name}_median_s"] = round(medians[name], 4)
+        if "trl" in medians:
+            for name in args.trainers:
+                if name != "trl":
+                    result[f"{name}_over_trl"] = round(medians[name] / medians["trl"], 3)
+        if skipped_fractions:
+            result["targetpo_skipped_fraction"] = round(statistics.mean(skipped_fractions), 3)
+        result["steps_timed_each"] = len(seconds[args.trainers[0]])
+        if args.device == "cuda":
+            for name in args.trainers:
+                result[f"{name}_peak_gpu_memory_gb"] = round(max(peaks[name]), 2)
+                result[f"{name}_p10_p90_s"] = [round(q, 4) for q in statistics.quantiles(seconds[name], n=10)[::8]]
         results.append(result)
         print(json.dumps(result), flush=True)
+        save(args, task, results)  # after every setting, so an interrupted run keeps what it measured
+    print(json.dumps(environment(args, task)))
+
+
+def environment(args: argparse.Namespace, task: Task) -> dict:
     import trl
 
-    environment = {"torch": torch.__version__, "trl": trl.__version__, "cpu_threads": torch.get_num_threads()}
-    print(json.dumps(environment))
-    if args.output:
-        with open(args.output, "w") as handle:
-            json.dump({"settings": vars(args), "environment": environment, "results": results}, handle, indent=2)
+    described = {"torch": torch.__version__, "trl": trl.__version__, "cpu_threads": torch.get_num_threads()}
+    if args.device == "cuda":
+        import transformers
+
+        described.update(
+            transformers=transformers.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(),
+            parameters=sum(p.numel() for p in task.model().parameters()),
+        )
+    return described
+
+
+def save(args: argparse.Namespace, task: Task, results: list[dict]) -> None:
+    if not args.output:
+        return
+    # The settings the CPU benchmark has always saved, and those of the GPU setting where they are used.
+    defaults = {"trainers": list(TRAINERS), "device": "cpu", "dtype": "float32", "model": "demo"}
+    settings = {
+        key: value for key, value in vars(args).items()
+        if not (key in defaults and value == defaults[key]) and not (key in QWEN2_SETTINGS and args.model == "demo")
+    }
+    with open(args.output, "w") as handle:
+        json.dump({"settings": settings, "environment": environment(args, task), "results": results}, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -394,6 +394,11 @@ def _chunked_head_logps(
     if liger and suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
         raise ValueError("Liger's fused kernel cannot leave suppressed tokens out of the softmax; use liger=False.")
     hidden_rows, token_rows = hidden[mask], token_ids[mask]
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.is_floating_point() and hidden_rows.dtype != weight.dtype:
+        # Mixed precision (bf16=True) hands back the model's outputs, hidden states too, in float32: the head runs
+        # outside the model's forward, so its inputs take its own dtype.
+        hidden_rows = hidden_rows.to(weight.dtype)
     if liger and hidden_rows.size(0) > 0:
         flat_logps = _liger_head_logps(head, hidden_rows, token_rows, temperature)
         flat_entropy = torch.zeros_like(flat_logps)

@@ -640,3 +640,18 @@ def test_with_dropout_equal_score_groups_are_never_skipped(tmp_path, tiny_model,
     batch = _first_rollout(trainer)
     assert batch["rows_with_gradient_at_rollout"].all()
     assert torch.equal(batch["rows_with_gradient_at_rollout"], batch["rows_with_gradient"])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1], ids=["no_reference", "reference"])
+def test_bf16_weights_train_under_bf16_mixed_precision(tmp_path, tiny_model, tokenizer, prompt_dataset, beta):
+    # Mixed precision hands back the model's outputs, hidden states too, in float32; the chunked bf16 head runs on them.
+    model = tiny_model.to(torch.bfloat16)
+    args = make_config(tmp_path, bf16=True, beta=beta, num_iterations=2, use_cpu=not torch.cuda.is_available())
+    trainer = TargetPOTrainer(
+        model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    before = snapshot(model)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert changed(before, model)

@@ -48,16 +48,17 @@ def train_and_record(
     original_rollout = TargetPOTrainer._rollout
     original_loss = TargetPOTrainer.compute_loss
 
+    # Everything is recorded on the CPU, where the reference is built: on a GPU this checks the GPU's steps.
     def recording_rollout(self, rows, mode):
-        weights = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+        weights = copy.deepcopy(self.accelerator.unwrap_model(self.model)).cpu()
         batch = original_rollout(self, rows, mode)
         if mode == "train":
-            run.rollouts.append((weights, {key: batch[key].clone() for key in ROLLOUT_TENSORS}))
+            run.rollouts.append((weights, {key: batch[key].clone().cpu() for key in ROLLOUT_TENSORS}))
         return batch
 
     def recording_loss(self, model, inputs, *args, **kwargs):
         if model.training and self.state.global_step not in run.step_weights:
-            run.step_weights[self.state.global_step] = copy.deepcopy(self.accelerator.unwrap_model(model))
+            run.step_weights[self.state.global_step] = copy.deepcopy(self.accelerator.unwrap_model(model)).cpu()
         return original_loss(self, model, inputs, *args, **kwargs)
 
     def recording_reward(completions, **kwargs):
@@ -83,7 +84,7 @@ def train_and_record(
     if rollout_backend is not None:
         trainer.rollout_backend = rollout_backend(trainer)
     trainer.train()
-    run.step_weights[trainer.state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
+    run.step_weights[trainer.state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).cpu()
     return run
 
 
