@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .generation import Completions, RolloutBackend
+from .generation import Completions, PromptImages, RolloutBackend
 from .tools import (
     INVALID_CALL_NAME,
     AsyncRunner,
@@ -64,7 +64,8 @@ class ToolLoop:
     """Generates multi-turn samples: the model's turn, its tool calls run, their results appended, and again.
 
     ``any_process_active`` (for backends whose generation is collective) tells whether any process still has a
-    sample to continue: every process must then generate as many turns as the busiest one.
+    sample to continue: every process must then generate as many turns as the busiest one. ``images_of_turn`` (for
+    prompts with images) gives the images of the samples a turn continues, with their inputs over those contexts.
     """
 
     def __init__(
@@ -91,10 +92,13 @@ class ToolLoop:
         prompt_mask: torch.Tensor,
         toolboxes: Sequence[Toolbox],
         any_process_active: Callable[[bool], bool] | None = None,
+        images_of_turn: Callable[[list[int], list[list[int]]], PromptImages] | None = None,
     ) -> MultiTurnRollout:
         samples = [_Sample(context=ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
         with backend.session():
-            has_logps, has_versions = self._play(backend, samples, prompt_ids.device, toolboxes, any_process_active)
+            has_logps, has_versions = self._play(
+                backend, samples, prompt_ids.device, toolboxes, any_process_active, images_of_turn
+            )
         return self._collect(samples, prompt_ids.device, has_logps, has_versions)
 
     def _play(
@@ -104,6 +108,7 @@ class ToolLoop:
         device: torch.device,
         toolboxes: Sequence[Toolbox],
         any_process_active: Callable[[bool], bool] | None,
+        images_of_turn: Callable[[list[int], list[list[int]]], PromptImages] | None,
     ) -> tuple[bool, bool]:
         """Alternate the model's turns and the tool turns until every sample is done; whether every turn came with
         the sampler's log-probs, and with weight versions."""
@@ -118,8 +123,11 @@ class ToolLoop:
             # Rows of a collective backend take part even with nothing left to do: one token of a stand-in row.
             rows = active or [0]
             budget = max(self.max_completion_length - len(samples[index].ids) for index in rows) if active else 1
-            ids, mask = left_pad([samples[index].context for index in rows], self.pad_token_id, device)
-            generated = backend.generate(ids, mask, max_new_tokens=budget)
+            contexts = [samples[index].context for index in rows]
+            ids, mask = left_pad(contexts, self.pad_token_id, device)
+            # Prompts with images: every turn is generated with the prompt's images, their inputs over the context.
+            images = {} if images_of_turn is None else {"images": images_of_turn(rows, contexts)}
+            generated = backend.generate(ids, mask, max_new_tokens=budget, **images)
             if not active:
                 continue
             has_logps &= generated.sampler_logps is not None
@@ -132,7 +140,9 @@ class ToolLoop:
                 logps = generated.sampler_logps[row, : len(turn)].tolist() if has_logps else [0.0] * len(turn)
                 if generated.weight_versions is not None:
                     version = int(generated.weight_versions[row])
-                    sample.oldest_version = version if sample.oldest_version is None else min(sample.oldest_version, version)
+                    sample.oldest_version = (
+                        version if sample.oldest_version is None else min(sample.oldest_version, version)
+                    )
                 malformed = self._add_turn(sample, turn, logps)
                 if sample.done:
                     continue
@@ -189,7 +199,9 @@ class ToolLoop:
             sample.logps += [0.0] * len(tool_turn)
             sample.context += tool_turn
 
-    def _collect(self, samples: list[_Sample], device: torch.device, has_logps: bool, has_versions: bool) -> MultiTurnRollout:
+    def _collect(
+        self, samples: list[_Sample], device: torch.device, has_logps: bool, has_versions: bool
+    ) -> MultiTurnRollout:
         completions = pack_completions(
             [sample.ids for sample in samples],
             [sample.loss_mask for sample in samples],
@@ -349,7 +361,9 @@ def _token_lists(value: Any, key: str, num_samples: int, vocab_size: int) -> lis
             )
         lists.append(list(row))
     if key == "completion_ids" and any(not row for row in lists):
-        raise ValueError(f"rollout_func returned an empty completion for sample {[bool(r) for r in lists].index(False)}.")
+        raise ValueError(
+            f"rollout_func returned an empty completion for sample {[bool(r) for r in lists].index(False)}."
+        )
     if key == "prompt_ids" and any(not row for row in lists):
         raise ValueError(f"rollout_func returned an empty prompt for sample {[bool(r) for r in lists].index(False)}.")
     return lists
@@ -375,7 +389,9 @@ def _per_token(value: Any, key: str, completion_ids: list[list[int]], default: A
     return lists
 
 
-def check_multi_turn_arguments(tools: Sequence[Callable], environment_factory: Any, rollout_func: Any, args: Any) -> None:
+def check_multi_turn_arguments(
+    tools: Sequence[Callable], environment_factory: Any, rollout_func: Any, args: Any
+) -> None:
     """Refuse impossible combinations of tools, environments and ``rollout_func`` before any work."""
     for tool in tools:
         if not callable(tool):
@@ -489,7 +505,11 @@ def start_environment(environment: Any, row: dict[str, Any]) -> Any:
             "to add to the prompt's last message."
         )
     last = dict(prompt[-1])
-    last["content"] = last["content"] + observation
+    content = last["content"]
+    # A message of content parts (text and images) takes the text as one more part.
+    last["content"] = (
+        content + observation if isinstance(content, str) else [*content, {"type": "text", "text": observation}]
+    )
     return [*prompt[:-1], last]
 
 

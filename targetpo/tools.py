@@ -115,13 +115,27 @@ class Toolbox:
 
 
 def tool_message(name: str, content: Any) -> dict[str, Any]:
-    """A tool message; non-text results are written as JSON where they can be."""
+    """A tool message; non-text results are written as JSON where they can be. Images are refused: written as text
+    they would reach the model as a description of a Python object."""
+    if _holds_image(content):
+        raise ValueError(
+            f"The tool {name!r} returned an image; images in tool results are not supported yet (only the prompt's "
+            "images reach the model). Return text from tools."
+        )
     if not isinstance(content, str):
         try:
             content = json.dumps(content)
         except (TypeError, ValueError):
             content = str(content)
     return {"role": "tool", "name": name, "content": content}
+
+
+def _holds_image(content: Any) -> bool:
+    """Whether a tool result is an image (a PIL image, or content parts of type image)."""
+    if type(content).__module__.startswith("PIL."):
+        return True
+    parts = content if isinstance(content, (list, tuple)) else [content]
+    return any(isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in parts)
 
 
 def run_tool_calls(calls: Sequence[tuple[Toolbox, dict[str, Any]]], runner: AsyncRunner) -> list[ToolOutcome]:

@@ -69,6 +69,7 @@ from .generation import (
     RolloutBackend,
     SamplingSettings,
     build_rollout_backend,
+    unpadded_prompts,
 )
 from .modeling import (
     apply_peft,
@@ -109,7 +110,9 @@ from .vision import (
     encode_prompts_with_images,
     image_column,
     is_processor,
+    prompt_images,
     row_images,
+    with_image_objects,
     with_image_parts,
 )
 
@@ -485,11 +488,7 @@ class TargetPOTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------ data
     def _what_images_need(self) -> str | None:
         """What prompts with images would need that this run lacks; None when they can be trained on."""
-        if self._processor is None:
-            return NEEDS_PROCESSOR
-        if self.tools or self._environments is not None or self.rollout_func is not None:
-            return "single-turn rollouts: tools, environments and rollout_func do not carry images yet"
-        return None
+        return NEEDS_PROCESSOR if self._processor is None else None
 
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -621,14 +620,25 @@ class TargetPOTrainer(Trainer):
         # process before the gathers below. Collective generation (a vLLM server, sharded weights) and a sharded
         # reward model's forward pass run collectives themselves, which every process must reach: they are not guarded.
         if self.rollout_func is not None:
-            prompt_ids, prompt_mask, completions, extra = self._custom_rollout(prompts)
+            if self._images_need is None and image_column(rows[0]) is not None:
+                prompts, encoded, images = self._encode_prompts_with_images(rows)
+                # The function gets each prompt's image parts holding the images themselves.
+                with_images = [with_image_objects(prompt, row) for prompt, row in zip(prompts, images.images)]
+                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(with_images)
+                with self._failures_reach_every_process("reading rollout_func's result"):
+                    _check_rollout_func_prompts(encoded, prompt_ids, prompt_mask)
+                pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
+            else:
+                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(prompts)
             columns.update(extra)
         elif self._tool_loop is not None:
-            prompts, prompt_ids, prompt_mask, completions, conversations, environments = self._multi_turn_rollout(
-                rows, mode
+            prompts, prompt_ids, prompt_mask, completions, conversations, environments, encoded = (
+                self._multi_turn_rollout(rows, mode)
             )
             if environments is not None:
                 columns["environments"] = environments
+            if encoded is not None:  # prompts with images
+                pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
         elif self._images_need is None and image_column(rows[0]) is not None:
             prompts, encoded, images = self._encode_prompts_with_images(rows)
             prompt_ids, prompt_mask = encoded.ids, encoded.mask
@@ -752,15 +762,17 @@ class TargetPOTrainer(Trainer):
             return contextlib.nullcontext()
         return failures_reach_every_process(what, self.accelerator.device)
 
-    def _encode_prompts_with_images(self, rows: list[dict[str, Any]]) -> tuple[list[Any], EncodedPrompts, PromptImages]:
-        """The rows' prompts with their image parts, encoded with their images by the processor (on this process's
-        device), and the images as the rollout backend takes them."""
-        device = self.accelerator.device
+    def _encode_prompts_with_images(
+        self, rows: list[dict[str, Any]], prompts: list[Any] | None = None
+    ) -> tuple[list[Any], EncodedPrompts, PromptImages]:
+        """The rows' prompts (or ``prompts``, e.g. as environments reset them) with their image parts, encoded with
+        the rows' images by the processor (on this process's device), and the images as rollout backends take them."""
+        prompts = [row["prompt"] for row in rows] if prompts is None else prompts
         with self._failures_reach_every_process("encoding the prompts and their images"):
             images = [row_images(row) for row in rows]
             prompts = [
-                with_image_parts(row["prompt"], len(row_images_), index)
-                for index, (row, row_images_) in enumerate(zip(rows, images))
+                with_image_parts(prompt, len(row_images_), index)
+                for index, (prompt, row_images_) in enumerate(zip(prompts, images))
             ]
             encoded = encode_prompts_with_images(
                 self._processor,
@@ -768,9 +780,8 @@ class TargetPOTrainer(Trainer):
                 images,
                 self._max_prompt_tokens,
                 self.sampling.pad_token_id,
-            ).to(device)
-        model_inputs = {**collate_pixel_inputs(encoded.pixel_inputs), **encoded.token_aligned}
-        return prompts, encoded, PromptImages(model_inputs, images, encoded.unexpanded_ids)
+            ).to(self.accelerator.device)
+        return prompts, encoded, prompt_images(encoded, images)
 
     def _generate_completions(
         self,
@@ -802,22 +813,31 @@ class TargetPOTrainer(Trainer):
         return completions
 
     def _multi_turn_rollout(self, rows: list[dict[str, Any]], mode: str) -> tuple[Any, ...]:
-        """Prompts (after each environment's reset), prompt ids and mask, completions, conversations and environments
-        of a rollout whose samples call tools over several turns."""
+        """Prompts (after each environment's reset), prompt ids and mask, completions, conversations, environments
+        and, for prompts with images, their encoding, of a rollout whose samples call tools over several turns."""
         prompts = [row["prompt"] for row in rows]
-        environments = None
+        environments, encoded, images_of_turn = None, None, None
         toolboxes = [self._toolbox] * len(rows)
         with self._failures_reach_every_process("starting the environments"):
             if self._environments is not None:
                 environments, prompts, toolboxes = self._environments.start(rows)
-            prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
+        if self._images_need is None and image_column(rows[0]) is not None:
+            prompts, encoded, images = self._encode_prompts_with_images(rows, prompts)
+            prompt_ids, prompt_mask = encoded.ids, encoded.mask
+            _check_takes_images(self.rollout_backend)
+
+            def images_of_turn(active: list[int], contexts: list[list[int]]) -> PromptImages:
+                return prompt_images(encoded, images.images, active, contexts)
+        else:
+            with self._failures_reach_every_process("tokenizing the prompts"):
+                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
         backend = self.rollout_backend
         self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
         started = time.perf_counter()
         # A collective backend needs every process to generate each turn: they agree on whether any still has one.
         agree = self._any_process if backend.collective else None
         with self._failures_reach_every_process("generating the multi-turn completions", local=not backend.collective):
-            rollout = self._tool_loop.run(backend, prompt_ids, prompt_mask, toolboxes, agree)
+            rollout = self._tool_loop.run(backend, prompt_ids, prompt_mask, toolboxes, agree, images_of_turn)
         self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
         calls, failures, turns = (
             self.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=prompt_ids.device))
@@ -826,7 +846,7 @@ class TargetPOTrainer(Trainer):
         self._metrics[mode]["tools/call_frequency"].append(calls.mean().item())
         self._metrics[mode]["tools/failure_frequency"].append((failures.sum() / calls.sum().clamp(min=1)).item())
         self._metrics[mode]["multi_turn/turns_per_sample"].append(turns.mean().item())
-        return prompts, prompt_ids, prompt_mask, rollout.completions, rollout.conversations, environments
+        return prompts, prompt_ids, prompt_mask, rollout.completions, rollout.conversations, environments, encoded
 
     def _any_process(self, active: bool) -> bool:
         return bool(self.accelerator.gather(torch.tensor([active], device=self.accelerator.device)).any())
@@ -887,11 +907,7 @@ class TargetPOTrainer(Trainer):
         backend = self.rollout_backend
         if images is None:  # a backend written for text prompts need not take images at all
             return backend.start(prompt_ids, prompt_mask)
-        if not getattr(backend, "takes_images", False):
-            raise ValueError(
-                f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` "
-                "is not True): generate with one that does (model.generate or vLLM), or give prompts without images."
-            )
+        _check_takes_images(backend)
         return backend.start(prompt_ids, prompt_mask, images=images)
 
     def _take_upcoming_rollout(
@@ -1518,6 +1534,29 @@ class _UpcomingRollout:
         images: PromptImages | None = None,
     ):
         self.prompt_ids, self.prompt_mask, self.pending, self.images = prompt_ids, prompt_mask, pending, images
+
+
+def _check_rollout_func_prompts(encoded: EncodedPrompts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    """The training pass reads each prompt's pixels beside the prompt ids: those a rollout_func returns must be the
+    processor's encoding of the prompt with its images, image tokens expanded."""
+    expected, returned = unpadded_prompts(encoded.ids, encoded.mask), unpadded_prompts(prompt_ids, prompt_mask)
+    for row, (ours, theirs) in enumerate(zip(expected, returned)):
+        if ours != theirs:
+            raise ValueError(
+                f"rollout_func returned prompt_ids for prompt {row} ({len(theirs)} tokens) that are not the processor's "
+                f"encoding of that prompt with its images ({len(ours)} tokens, image placeholders expanded), which the "
+                "training pass reads the pixels against. Return the ids the engine reports after expanding the images "
+                "(vLLM: `output.prompt_token_ids`), or `processor(text=..., images=...)['input_ids']` of the prompt "
+                "rendered with `processor.apply_chat_template`."
+            )
+
+
+def _check_takes_images(backend: RolloutBackend) -> None:
+    if not getattr(backend, "takes_images", False):
+        raise ValueError(
+            f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` is "
+            "not True): generate with one that does (model.generate or vLLM), or give prompts without images."
+        )
 
 
 def _same_model_inputs(first: PromptImages | None, second: PromptImages | None) -> bool:

@@ -10,10 +10,14 @@ image tokens in order, so rows' tensors are concatenated along their first dimen
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import ProcessorMixin
+
+if TYPE_CHECKING:
+    from .generation.base import PromptImages
 
 #: Columns that hold a row's images: ``images`` (a list) or ``image`` (one), as in TRL's vision datasets.
 IMAGE_COLUMNS = ("images", "image")
@@ -93,6 +97,26 @@ def with_image_parts(prompt: Any, num_images: int, row: int) -> list[dict[str, A
     parts = [{"type": "text", "text": text}] if isinstance(text, str) else list(text)
     images = [{"type": "image"} for _ in range(num_images)]
     return [*prompt[:first_user], {**message, "content": images + parts}, *prompt[first_user + 1 :]]
+
+
+def with_image_objects(prompt: list[dict[str, Any]], images: list[Any]) -> list[dict[str, Any]]:
+    """The conversation with each ``{"type": "image"}`` part holding its image (``"image": ...``), in order: how a
+    rollout_func receives prompts with images, to hand them to its own engine."""
+    if not images:
+        return prompt
+    remaining = iter(images)
+    return [
+        {
+            **message,
+            "content": [
+                {**part, "image": next(remaining)} if isinstance(part, dict) and part.get("type") == "image" else part
+                for part in message["content"]
+            ],
+        }
+        if isinstance(message.get("content"), list)
+        else message
+        for message in prompt
+    ]
 
 
 class EncodedPrompts:
@@ -206,3 +230,36 @@ def collate_pixel_inputs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch
             padded.append(torch.nn.functional.pad(tensor, padding) if any(padding) else tensor)
         collated[key] = torch.cat(padded)
     return collated
+
+
+def prompt_images(
+    encoded: EncodedPrompts,
+    images: list[list[Any]],
+    rows: Sequence[int] | None = None,
+    contexts: Sequence[list[int]] | None = None,
+) -> PromptImages:
+    """The images of ``rows`` (default: all) of ``encoded`` prompts as rollout backends take them.
+
+    ``contexts`` continue those rows' prompts (a multi-turn rollout's later turns: prompt, model turns, tool turns),
+    left-padded to the longest as the backend's ids are: per-token extras then cover each context, zero past its
+    prompt, and the unexpanded ids continue with the context's tokens after the prompt.
+    """
+    from .generation.base import PromptImages  # here: the generation package reads this module's placeholder ids
+
+    rows = list(range(len(images))) if rows is None else list(rows)
+    model_inputs = collate_pixel_inputs([encoded.pixel_inputs[row] for row in rows])
+    unexpanded = [encoded.unexpanded_ids[row] for row in rows]
+    if contexts is None:
+        model_inputs.update({key: value[rows] for key, value in encoded.token_aligned.items()})
+    else:
+        width = max(len(context) for context in contexts)
+        prompt_lengths = [int(encoded.mask[row].sum()) for row in rows]
+        for key, value in encoded.token_aligned.items():
+            model_inputs[key] = torch.stack(
+                [
+                    torch.nn.functional.pad(value[row, -length:], (width - len(context), len(context) - length))
+                    for row, length, context in zip(rows, prompt_lengths, contexts)
+                ]
+            )
+        unexpanded = [ids + context[length:] for ids, length, context in zip(unexpanded, prompt_lengths, contexts)]
+    return PromptImages(model_inputs, [images[row] for row in rows], unexpanded)

