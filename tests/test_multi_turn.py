@@ -399,7 +399,7 @@ def test_reset_text_is_added_to_the_prompt_and_games_cut_by_the_turn_limit_are_m
     assert all(context.startswith("<tools>guess<user>?!<assistant>") for context in contexts)
     cut = torch.tensor(secrets) == 0  # halving needs a fourth guess for 0: cut at the limit, truncated
     assert cut.any() and not cut.all()
-    assert torch.equal(~batches[0]["valid"], cut)
+    assert torch.equal(~batches[0]["valid"].cpu(), cut)
     assert (batches[0]["completion_mask"][cut] == 0).all()
 
 

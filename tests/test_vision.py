@@ -161,7 +161,9 @@ def test_image_parts_without_a_processor_are_refused(tmp_path, tiny_model, token
 def reference_logps(model, processor, prompt_text, images, completion_ids, suppressed):
     """The completion's token log-probs from one plain forward pass of the prompt (with its images) and completion,
     without the ``suppressed`` tokens, which generation never samples."""
-    encoded = processor(text=[prompt_text], images=[images] if images else None, return_tensors="pt")
+    device = next(model.parameters()).device  # the trainer's device (a GPU where there is one)
+    encoded = processor(text=[prompt_text], images=[images] if images else None, return_tensors="pt").to(device)
+    completion_ids = completion_ids.to(device)
     ids = torch.cat([encoded["input_ids"], completion_ids[None]], dim=1)
     extras = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)}
     for key in ("token_type_ids", "mm_token_type_ids"):
@@ -225,7 +227,7 @@ def test_a_vision_language_model_and_its_processor_load_from_a_path(tmp_path):
     trainer = TargetPOTrainer(str(tmp_path / "vlm"), letters_reward, args=args, train_dataset=image_dataset())
     assert type(trainer.model) is type(model) and type(trainer.processing_class).__name__ == "LlavaNextProcessor"
     for name, value in trainer.model.state_dict().items():
-        assert torch.equal(value, model.state_dict()[name]), name
+        assert torch.equal(value.cpu(), model.state_dict()[name]), name
     trainer.train()
     assert trainer.state.global_step == 1
 
