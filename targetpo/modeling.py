@@ -238,6 +238,9 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4, differentiabl
 
 
 #: Config attributes that change logits after the output head; models with them take the full-logits path.
+#: Output-head dtypes whose hidden states take the head's dtype (mixed precision returns them in float32); others
+#: (quantised or float8 heads) compute in their own way from what they are given.
+HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
@@ -395,7 +398,7 @@ def _chunked_head_logps(
         raise ValueError("Liger's fused kernel cannot leave suppressed tokens out of the softmax; use liger=False.")
     hidden_rows, token_rows = hidden[mask], token_ids[mask]
     weight = getattr(head, "weight", None)
-    if weight is not None and weight.is_floating_point() and hidden_rows.dtype != weight.dtype:
+    if weight is not None and weight.dtype in HEAD_DTYPES and hidden_rows.dtype != weight.dtype:
         # Mixed precision (bf16=True) hands back the model's outputs, hidden states too, in float32: the head runs
         # outside the model's forward, so its inputs take its own dtype.
         hidden_rows = hidden_rows.to(weight.dtype)

@@ -14,6 +14,7 @@ import inspect
 import json
 import re
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -115,13 +116,7 @@ class Toolbox:
 
 
 def tool_message(name: str, content: Any) -> dict[str, Any]:
-    """A tool message; non-text results are written as JSON where they can be. Images are refused: written as text
-    they would reach the model as a description of a Python object."""
-    if _holds_image(content):
-        raise ValueError(
-            f"The tool {name!r} returned an image; images in tool results are not supported yet (only the prompt's "
-            "images reach the model). Return text from tools."
-        )
+    """A tool message; non-text results are written as JSON where they can be."""
     if not isinstance(content, str):
         try:
             content = json.dumps(content)
@@ -131,11 +126,26 @@ def tool_message(name: str, content: Any) -> dict[str, Any]:
 
 
 def _holds_image(content: Any) -> bool:
-    """Whether a tool result is an image (a PIL image, or content parts of type image)."""
-    if type(content).__module__.startswith("PIL."):
-        return True
-    parts = content if isinstance(content, (list, tuple)) else [content]
-    return any(isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in parts)
+    """Whether a tool result is or holds an image: a PIL image or a content part of type image, alone or in a list."""
+    if isinstance(content, (list, tuple)):
+        return any(_holds_image(item) for item in content)
+    if isinstance(content, dict):
+        return content.get("type") in ("image", "image_url")
+    return type(content).__module__.startswith("PIL.")
+
+
+def _result_outcome(name: str, result: Any) -> ToolOutcome:
+    """A tool's result as its outcome. An image cannot be shown to the model yet: written as text it would read as a
+    Python object, so the call fails with an error the model sees (the run goes on, like any failed call)."""
+    if _holds_image(result):
+        warnings.warn(
+            f"The tool {name!r} returned an image; images in tool results are not supported yet, so the call is "
+            "answered with an error. Return text from tools.",
+            stacklevel=2,
+        )
+        error = f"Error: {name} returned an image; images in tool results are not supported. Return text."
+        return ToolOutcome(tool_message(name, error), failed=True)
+    return ToolOutcome(tool_message(name, result), failed=False)
 
 
 def run_tool_calls(calls: Sequence[tuple[Toolbox, dict[str, Any]]], runner: AsyncRunner) -> list[ToolOutcome]:
@@ -155,13 +165,14 @@ def run_tool_calls(calls: Sequence[tuple[Toolbox, dict[str, Any]]], runner: Asyn
         if inspect.isawaitable(result):
             waiting.append((index, name, result))
         else:
-            outcomes[index] = ToolOutcome(tool_message(name, result), failed=False)
+            outcomes[index] = _result_outcome(name, result)
     if waiting:
         results = runner.run([awaitable for _, _, awaitable in waiting])
         for (index, name, _), result in zip(waiting, results):
-            failed = isinstance(result, Exception)
-            content = _error_text(name, result) if failed else result
-            outcomes[index] = ToolOutcome(tool_message(name, content), failed=failed)
+            if isinstance(result, Exception):
+                outcomes[index] = ToolOutcome(tool_message(name, _error_text(name, result)), failed=True)
+            else:
+                outcomes[index] = _result_outcome(name, result)
     return outcomes  # type: ignore[return-value]
 
 
@@ -331,7 +342,9 @@ def _anchored_in(template: dict[str, Any], header: str) -> bool:
     anchors = template.get("start_anchor") or []
     anchors = [anchors] if isinstance(anchors, str) else list(anchors)
     pattern = template.get("start_anchor_pattern")
-    return any(anchor in header for anchor in anchors) or (pattern is not None and re.search(pattern, header) is not None)
+    return any(anchor in header for anchor in anchors) or (
+        pattern is not None and re.search(pattern, header) is not None
+    )
 
 
 def generation_prompt(tokenizer: Any, template_kwargs: dict[str, Any]) -> str:

@@ -780,6 +780,7 @@ class TargetPOTrainer(Trainer):
                 images,
                 self._max_prompt_tokens,
                 self.sampling.pad_token_id,
+                plain=[isinstance(prompt, str) for prompt in prompts],
             ).to(self.accelerator.device)
         return prompts, encoded, prompt_images(encoded, images)
 

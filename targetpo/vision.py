@@ -145,13 +145,19 @@ class EncodedPrompts:
 
 
 def encode_prompts_with_images(
-    processor: Any, texts: list[str], images: list[list[Any]], max_tokens: int | None, pad_token_id: int
+    processor: Any,
+    texts: list[str],
+    images: list[list[Any]],
+    max_tokens: int | None,
+    pad_token_id: int,
+    plain: Sequence[bool] | None = None,
 ) -> EncodedPrompts:
     """Encode each rendered prompt with its images through ``processor``, a row at a time, and left-pad the rows.
 
     Rows that repeat the previous row's prompt (a group) reuse its encoding. A prompt longer than ``max_tokens`` keeps
     its last tokens when it has no images; one with images cannot lose any (its image tokens must match its pixels),
-    which is an error naming the fix.
+    which is an error naming the fix. ``plain`` marks rows whose prompt was a plain string: the tokenizer adds its
+    special tokens to those, as to text prompts; a chat template writes its own.
     """
     rows: list[dict[str, torch.Tensor]] = []
     unexpanded_ids: list[list[int]] = []
@@ -160,14 +166,16 @@ def encode_prompts_with_images(
             rows.append(rows[-1])
             unexpanded_ids.append(unexpanded_ids[-1])
             continue
-        # The chat template wrote the special tokens (as for text prompts): the tokenizer adds none.
+        # A chat template writes the special tokens itself; a ``plain`` string prompt gets the tokenizer's (as text
+        # prompts do).
+        special = bool(plain[index]) if plain is not None else False
         encoded = processor(
             text=[text],
             images=[row_images_] if row_images_ else None,
             return_tensors="pt",
-            add_special_tokens=False,
+            add_special_tokens=special,
         )
-        unexpanded_ids.append(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        unexpanded_ids.append(processor.tokenizer(text, add_special_tokens=special)["input_ids"])
         row = {key: value for key, value in encoded.items() if torch.is_tensor(value)}
         length = row["input_ids"].size(1)
         if max_tokens is not None and length > max_tokens:

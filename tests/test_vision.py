@@ -110,7 +110,8 @@ def test_prompts_with_images_are_encoded_per_row_and_left_padded():
     assert encoded.pixel_inputs[2] == {} and encoded.mask[2].sum() < width and encoded.mask[2, -1] == 1
     # Before expansion (what vLLM takes): the tokenizer's ids of the rendered text, one <image> per image.
     image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
-    assert encoded.unexpanded_ids[0] == encoded.unexpanded_ids[1] == processor.tokenizer(texts[0])["input_ids"]
+    unexpanded = processor.tokenizer(texts[0], add_special_tokens=False)["input_ids"]
+    assert encoded.unexpanded_ids[0] == encoded.unexpanded_ids[1] == unexpanded
     assert encoded.unexpanded_ids[0].count(image_token) == 1 and alone["input_ids"][0].tolist().count(image_token) > 1
     with pytest.raises(ValueError, match="image tokens cannot be cut"):
         encode_prompts_with_images(processor, texts[:1], [[image]], max_tokens=5, pad_token_id=0)
@@ -249,11 +250,27 @@ def test_under_peft_the_vision_towers_adapters_train(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ vLLM rollouts
 def test_an_engine_expansion_unlike_the_processors_is_refused():
-    check_expanded_prompts([[1, 2, 3]], [None])  # rows without images bring no expansion to check
-    check_expanded_prompts([[1, 2, 3]], [[1, 2, 3]])
+    check_expanded_prompts([[1, 2, 3]], [None], [False])  # rows without images bring no expansion to check
+    check_expanded_prompts([[1, 2, 3]], [[1, 2, 3]], [True])
     with pytest.raises(ValueError, match=r"prompt 1 into other tokens .*\(4 tokens against 3, first differing at "
                                          r"position 1\).* same model and processor files"):
-        check_expanded_prompts([[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 9, 9, 3]])
+        check_expanded_prompts([[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 9, 9, 3]], [True, True])
+    with pytest.raises(ValueError, match="did not report the expanded ids of prompt 0, which holds images"):
+        check_expanded_prompts([[1, 2, 3]], [None], [True])
+
+
+def test_images_travel_to_a_server_as_lossless_png_in_a_mode_png_holds():
+    import base64
+    import io
+
+    from targetpo.generation.vllm_server import image_data_url
+
+    rgb, cmyk = random_image(3), random_image(4).convert("CMYK")
+    for image, expected in ((rgb, rgb), (cmyk, cmyk.convert("RGB")), (np.asarray(rgb), rgb)):
+        url = image_data_url(image)
+        assert url.startswith("data:image/png;base64,")
+        decoded = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), np.asarray(expected))
 
 
 def vllm_image_config(tmp_path, **overrides):
@@ -387,13 +404,37 @@ def tool_calling_vlm(tmp_path, architecture, model, processor, environment=False
                            train_dataset=dataset, processing_class=processor, **multi_turn)
 
 
-def test_an_image_returned_by_a_tool_is_refused_not_written_as_text():
-    from targetpo.tools import tool_message
+def test_an_image_returned_by_a_tool_fails_the_call_rather_than_reaching_the_model_as_text():
+    from targetpo.tools import AsyncRunner, Toolbox, run_tool_calls
 
-    for result in (random_image(0), [{"type": "image", "image": random_image(0)}], {"type": "image_url", "url": "x"}):
-        with pytest.raises(ValueError, match="The tool 'look' returned an image; images in tool results are not"):
-            tool_message("look", result)
-    assert tool_message("look", {"colour": "red"})["content"] == '{"colour": "red"}'
+    results = {"photo": random_image(0), "photos": [random_image(1)], "part": {"type": "image_url", "url": "x"},
+               "text": {"colour": "red"}}
+
+    def look(what: str):
+        """Look.
+
+        Args:
+            what: what to look at.
+        """
+        return results[what]
+
+    async def look_later(what: str):
+        """Look, asynchronously.
+
+        Args:
+            what: what to look at.
+        """
+        return results[what]
+
+    toolbox = Toolbox([look, look_later])
+    calls = [(toolbox, {"type": "function", "function": {"name": name, "arguments": {"what": what}}})
+             for name in ("look", "look_later") for what in results]
+    with pytest.warns(UserWarning, match="returned an image; images in tool results are not supported yet"):
+        outcomes = run_tool_calls(calls, AsyncRunner())
+    assert [outcome.failed for outcome in outcomes] == [True, True, True, False] * 2
+    assert all("returned an image; images in tool results are not supported" in outcome.message["content"]
+               for outcome in outcomes if outcome.failed)
+    assert outcomes[3].message["content"] == outcomes[7].message["content"] == '{"colour": "red"}'
 
 
 @pytest.mark.parametrize("architecture, environment", [("qwen2_vl", False), ("gemma3", False), ("idefics3", False),

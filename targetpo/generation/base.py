@@ -98,11 +98,21 @@ class PromptImages:
     unexpanded_ids: list[list[int]]
 
 
-def check_expanded_prompts(expected: Sequence[Sequence[int]], engine_ids: Sequence[Sequence[int] | None]) -> None:
+def check_expanded_prompts(
+    expected: Sequence[Sequence[int]], engine_ids: Sequence[Sequence[int] | None], with_images: Sequence[bool]
+) -> None:
     """Refuse completions an engine sampled from other prompt tokens than the trainer's: an engine that expands image
-    placeholders unlike the processor would have its completions trained against a prompt they never saw."""
-    for row, (ours, theirs) in enumerate(zip(expected, engine_ids)):
-        if theirs is None or list(theirs) == list(ours):
+    placeholders unlike the processor would have its completions trained against a prompt they never saw. Rows
+    ``with_images`` are checked; the engine must report their expanded ids."""
+    for row, (ours, theirs, has_images) in enumerate(zip(expected, engine_ids, with_images)):
+        if not has_images:
+            continue
+        if theirs is None:
+            raise ValueError(
+                f"vLLM did not report the expanded ids of prompt {row}, which holds images, so they cannot be checked "
+                "against the processor's: serve with a vLLM whose /inference/v1/generate answers `return_token_ids`."
+            )
+        if list(theirs) == list(ours):
             continue
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
         raise ValueError(
@@ -156,7 +166,10 @@ class RolloutBackend:
 
         ``max_new_tokens`` lowers the configured completion length for this call (a multi-turn rollout's later turns
         have less room left). ``images`` come with prompts that hold images (backends with ``takes_images``)."""
-        return self.start(prompt_ids, prompt_mask, max_new_tokens, images).result()
+        # Passed only when given: a backend written for text prompts may override start without it.
+        return self.start(
+            prompt_ids, prompt_mask, max_new_tokens, **({} if images is None else {"images": images})
+        ).result()
 
     def start(
         self,

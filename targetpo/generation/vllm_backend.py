@@ -137,7 +137,8 @@ class VLLMEngine:
             ]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if images is not None:
-            check_expanded_prompts(prompts, [output.prompt_token_ids for output in outputs])
+            with_images = [bool(row_images) for row_images in images.images]
+            check_expanded_prompts(prompts, [output.prompt_token_ids for output in outputs], with_images)
         token_ids, token_logps = [], []
         for output in outputs:
             completion = output.outputs[0]

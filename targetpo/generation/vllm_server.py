@@ -249,12 +249,20 @@ class VLLMServerClient:
         }
 
 
+#: PIL image modes PNG stores as they are; others (CMYK, YCbCr, 32-bit) go as RGB, which processors convert them to.
+PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")
+
+
 def image_data_url(image: Any) -> str:
-    """An image as a PNG data URL: lossless, so the server's image processor sees the very pixels the trainer's did."""
+    """An image as a PNG data URL: lossless for PIL images and uint8 arrays, so the server's image processor sees the
+    pixels the trainer's did (float arrays are rescaled to 8 bits)."""
     from transformers.image_transforms import to_pil_image
 
+    image = to_pil_image(image)
+    if image.mode not in PNG_MODES:
+        image = image.convert("RGB")
     buffer = io.BytesIO()
-    to_pil_image(image).save(buffer, format="PNG")
+    image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -345,18 +353,22 @@ class VLLMServerBackend(RolloutBackend):
     ) -> PendingCompletions:
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
         expanded = prompts
-        image_urls = None
+        image_urls: list[list[str]] = [[] for _ in prompts]
         if images is not None:  # rows with images go as their unexpanded ids; the server expands them
             prompts = [
                 ids if urls else prompt for prompt, ids, urls in zip(prompts, images.unexpanded_ids, images.images)
             ]
-            image_urls = [[image_data_url(image) for image in row_images] for row_images in images.images]
+            # An image PNG cannot hold fails here, on every process, before the gathers below.
+            with failures_reach_every_process("encoding the images for the vLLM server", prompt_ids.device):
+                image_urls = [[image_data_url(image) for image in row_images] for row_images in images.images]
         # One seed per row from each process's generator: distinct samples, reproducible from the run's seed.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         # Processes may send different numbers of rows (multi-turn rollouts), each with its own length limit.
         all_prompts, all_seeds = gather_object(prompts), gather_object(seeds)
-        # Every process takes part in the gather, with or without images (the backend does not know which others have).
-        all_image_urls = gather_object(image_urls or [[] for _ in prompts])
+        # Every process takes part in these gathers, with or without images (it does not know which others have): each
+        # checks the server's expansion of every row, so that a mismatch stops all of them alike.
+        all_image_urls = gather_object(image_urls)
+        all_expanded = gather_object(expanded)
         counts = gather_object([len(prompts)])
         fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
         all_fields = gather_object([fields] * len(prompts))
@@ -382,7 +394,9 @@ class VLLMServerBackend(RolloutBackend):
             self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
         first_row = sum(counts[: self.accelerator.process_index])
         local = slice(first_row, first_row + len(prompts))
-        return _PendingServerCompletions(self, future, local, prompt_ids.device, expanded if images else None)
+        with_images = [bool(urls) for urls in all_image_urls]
+        expected = (all_expanded, with_images) if any(with_images) else None
+        return _PendingServerCompletions(self, future, local, prompt_ids.device, expected)
 
     # ------------------------------------------------------------------------------------------ weights
     def sync_weights(self, model: nn.Module, version: int) -> None:
@@ -458,11 +472,12 @@ class _PendingServerCompletions(PendingCompletions):
         future: Future | None,
         local: slice,
         device: torch.device,
-        expanded_prompts: list[list[int]] | None = None,
+        expanded_prompts: tuple[list[list[int]], list[bool]] | None = None,
     ):
         super().__init__()
         self.backend, self.future, self.local, self.device = backend, future, local, device
-        self.expanded_prompts = expanded_prompts  # what the server's expansion of prompts with images must give
+        # Every row's prompt as the trainer holds it, and whether it has images: what the server's expansion must give.
+        self.expanded_prompts = expanded_prompts
 
     def result(self) -> Completions:
         started = time.perf_counter()
@@ -476,9 +491,10 @@ class _PendingServerCompletions(PendingCompletions):
         self.wait_seconds = time.perf_counter() - started
         if isinstance(reply, Exception):
             raise reply
+        if self.expanded_prompts is not None:  # all rows, on every process: a mismatch anywhere stops every process
+            expected, with_images = self.expanded_prompts
+            check_expanded_prompts(expected, [output["prompt_token_ids"] for output in reply], with_images)
         outputs = reply[self.local]
-        if self.expanded_prompts is not None:
-            check_expanded_prompts(self.expanded_prompts, [output["prompt_token_ids"] for output in outputs])
         settings = self.backend.settings
         return pad_completions(
             [output["token_ids"] for output in outputs],
