@@ -29,9 +29,9 @@ SEQUENCE = [ZERO, ONE, ONE, ZERO, EQUALS, ZERO, ZERO, ONE, EQUALS, ONE, ZERO, ON
 PROMPT = [ONE, ZERO, ONE, EQUALS]
 ATOL = 1e-4
 SMALL_BUFFER = 16 * 1024  # the model is about 2 MiB: well over a hundred buffers, most tensors cut across several
-# Context for the long request the pause test keeps in flight: thousands of tokens, so that it is still decoding when
-# the pause lands even where the server streams its first tokens late (a busy 2-core machine).
-CONTEXT = 4096
+# Context for the long request the pause test keeps in flight: with the server resting between steps (PacedSteps),
+# seconds of decoding, where the pause lands within tens of tokens.
+CONTEXT = 2048
 
 
 def tiny_model(seed):
@@ -47,8 +47,10 @@ def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gloo_weight_transfer")
     tiny_model(SERVED_SEED).save_pretrained(directory / "model")
     reverse_task_tokenizer().save_pretrained(directory / "model")
-    # Room for the long request the pause test keeps in flight.
-    with served_vllm(directory / "model", directory / "server.log", ["--max-model-len", str(CONTEXT)]) as base_url:
+    # Room for the long request the pause test keeps in flight, and steps paced so that the API server is never
+    # starved by the engine's busy loop on a 2-core machine (it then took the pause only after the request ended).
+    arguments = ["--max-model-len", str(CONTEXT), "--logits-processors", "paced_vllm_steps:PacedSteps"]
+    with served_vllm(directory / "model", directory / "server.log", arguments) as base_url:
         yield base_url
 
 
@@ -416,9 +418,9 @@ def test_a_request_in_flight_survives_pause_push_resume_and_is_labelled_with_bot
     push(server, old, weight_version="old", packed_buffer_size_bytes=SMALL_BUFFER)
     max_tokens = CONTEXT - len(PROMPT)  # the most the context allows: several seconds of decoding
 
-    # Freeze a request mid-decoding. The first streamed tokens say it is decoding, but on a busy CPU the server can
-    # deliver them late enough that the pause lands after the last token: then the attempt is started over. Whether
-    # it is frozen mid-way is read from the stream once the pause has settled, not guessed.
+    # Freeze a request mid-decoding. The first streamed tokens say it is decoding; should the pause still land after
+    # the last token (a machine busy with something else), the attempt is started over. Whether it is frozen mid-way
+    # is read from the stream once the pause has settled, not guessed.
     for _attempt in range(5):
         request = StreamedRequest(server, greedy_request(PROMPT, max_tokens, stream=True))
         request.first.wait(timeout=300)
@@ -472,7 +474,7 @@ def test_a_cancelled_generation_returns_at_once(server):
     from targetpo.generation.vllm_server import Cancellation, GenerationCancelled, VLLMServerClient
 
     client = VLLMServerClient(server, timeout=10)
-    count = 16  # x 4,092 tokens: tens of seconds of decoding here
+    count = 16  # x 2,044 tokens: tens of seconds of decoding here
     fields = {"max_tokens": CONTEXT - len(PROMPT), "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
               "detokenize": False}
     cancellation, outcome = Cancellation(), []

@@ -19,6 +19,7 @@ from targetpo.generation.serve import serve_command
 START_TIMEOUT = 300
 #: This checkout, which the servers import targetpo (its gloo engine) from, whatever else is installed.
 REPOSITORY = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 
 
 def free_port():
@@ -44,6 +45,7 @@ def served_vllm(model_dir, log_path, extra_args=()):
          "--enforce-eager", *extra_args],
     )
     env = with_python_path(REPOSITORY, {**os.environ, **env, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = with_python_path(TESTS, env)  # for test-side plugins named in extra_args (paced_vllm_steps)
     with running_server(command, env, log_path, port) as base_url:
         yield base_url
 
