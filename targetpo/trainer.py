@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import math
+import os
 import time
 import warnings
 from collections import defaultdict
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object, set_seed
+from safetensors.torch import load_model, save_model
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -104,6 +107,7 @@ from .reporting import RolloutTable, print_completions_table, push_completions_t
 from .rewards import RewardFunc, RewardLogs, RewardScorer
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
+    IMAGE_COLUMNS,
     SELF_POSITIONED_KEYS,
     EncodedPrompts,
     collate_pixel_inputs,
@@ -117,6 +121,9 @@ from .vision import (
 )
 
 Batch = dict[str, Any]
+#: Files a checkpoint holds beside the Trainer's: the adaptive entropy coefficient, and the synced reference model.
+ENTROPY_STATE_FILE = "entropy_coefficient.json"
+REFERENCE_FILE = "reference_model.safetensors"
 #: Batch keys of prompts with images: each row's per-image inputs (a list), and per-token extras under this prefix.
 PIXEL_INPUTS = "pixel_inputs"
 PROMPT_ALIGNED = "prompt_aligned/"
@@ -565,9 +572,9 @@ class TargetPOTrainer(Trainer):
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _set_signature_columns_if_needed(self) -> None:
-        # With remove_unused_columns=True only what rollouts themselves need is kept.
+        # With remove_unused_columns=True only what rollouts themselves need is kept: the prompt and its images.
         if self._signature_columns is None:
-            self._signature_columns = ["prompt", ROLLOUT_USE, UPCOMING_ROW]
+            self._signature_columns = ["prompt", *IMAGE_COLUMNS, ROLLOUT_USE, UPCOMING_ROW]
 
     def train(self, *args: Any, **kwargs: Any):
         self._buffer = None  # a (resumed) run starts with a fresh rollout
@@ -960,6 +967,46 @@ class TargetPOTrainer(Trainer):
     def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_checkpoint(*args, **kwargs)
         self._weights_version = None  # new weights that came without an optimiser step
+
+    # What a resumed run needs beyond the Trainer's own checkpoint: the adaptive entropy coefficient and the synced
+    # reference model have moved with training. Saved and loaded beside the optimiser (a checkpoint without the
+    # optimiser, save_only_model, cannot be resumed from anyway).
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if not self.args.should_save:
+            return
+        if self.args.use_adaptive_entropy:
+            state = {"entropy_coef": self._entropy_coef, "last_step_entropy": self._last_step_entropy}
+            with open(os.path.join(output_dir, ENTROPY_STATE_FILE), "w") as file:
+                json.dump(state, file)  # the entropy before the first step is inf: Python's json writes Infinity
+        if self.args.sync_ref_model and self.ref_model is not None:
+            save_model(self.accelerator.unwrap_model(self.ref_model), os.path.join(output_dir, REFERENCE_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        entropy_state, reference = (os.path.join(checkpoint, name) for name in (ENTROPY_STATE_FILE, REFERENCE_FILE))
+        if self.args.use_adaptive_entropy:
+            if os.path.exists(entropy_state):
+                with open(entropy_state) as file:
+                    state = json.load(file)
+                self._entropy_coef, self._last_step_entropy = state["entropy_coef"], state["last_step_entropy"]
+            else:  # a run that switches the entropy control on
+                warnings.warn(
+                    f"{checkpoint} holds no {ENTROPY_STATE_FILE} (it was saved without use_adaptive_entropy): the "
+                    f"adaptive entropy coefficient starts again from entropy_coef={self.args.entropy_coef}.",
+                    stacklevel=2,
+                )
+        if self.args.sync_ref_model and self.ref_model is not None:
+            if os.path.exists(reference):
+                load_model(self.accelerator.unwrap_model(self.ref_model), reference)
+            else:
+                warnings.warn(
+                    f"{checkpoint} holds no {REFERENCE_FILE} (it was saved without sync_ref_model): the reference "
+                    "model starts again from the model given to the trainer, not from the checkpoint's policy.",
+                    stacklevel=2,
+                )
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         super()._load_best_model(*args, **kwargs)
@@ -1542,14 +1589,23 @@ def _check_rollout_func_prompts(encoded: EncodedPrompts, prompt_ids: torch.Tenso
     processor's encoding of the prompt with its images, image tokens expanded."""
     expected, returned = unpadded_prompts(encoded.ids, encoded.mask), unpadded_prompts(prompt_ids, prompt_mask)
     for row, (ours, theirs) in enumerate(zip(expected, returned)):
-        if ours != theirs:
+        if ours == theirs:
+            continue
+        if not encoded.pixel_inputs[row] and len(theirs) > len(ours) and theirs[-len(ours) :] == ours:
             raise ValueError(
-                f"rollout_func returned prompt_ids for prompt {row} ({len(theirs)} tokens) that are not the processor's "
-                f"encoding of that prompt with its images ({len(ours)} tokens, image placeholders expanded), which the "
-                "training pass reads the pixels against. Return the ids the engine reports after expanding the images "
-                "(vLLM: `output.prompt_token_ids`), or `processor(text=..., images=...)['input_ids']` of the prompt "
-                "rendered with `processor.apply_chat_template`."
+                f"rollout_func returned prompt_ids for prompt {row} (no images) {len(theirs)} tokens long, more than "
+                f"the {len(ours)} prompt tokens allowed (max_prompt_length, or what the model's positions leave beside "
+                "max_completion_length). In a batch with images every prompt's ids must be the processor's encoding, "
+                f"which keeps a longer prompt's last tokens: return its last {len(ours)} tokens, or raise "
+                "max_prompt_length."
             )
+        raise ValueError(
+            f"rollout_func returned prompt_ids for prompt {row} ({len(theirs)} tokens) that are not the processor's "
+            f"encoding of that prompt with its images ({len(ours)} tokens, image placeholders expanded), which the "
+            "training pass reads the pixels against. Return the ids the engine reports after expanding the images "
+            "(vLLM: `output.prompt_token_ids`), or `processor(text=..., images=...)['input_ids']` of the prompt "
+            "rendered with `processor.apply_chat_template`."
+        )
 
 
 def _check_takes_images(backend: RolloutBackend) -> None:

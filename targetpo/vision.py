@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from transformers import ProcessorMixin
 
@@ -215,7 +216,20 @@ def encode_prompts_with_images(
 
 
 def _same_images(first: list[Any], second: list[Any]) -> bool:
-    return len(first) == len(second) and all(a is b or a == b for a, b in zip(first, second))
+    return len(first) == len(second) and all(_same_image(a, b) for a, b in zip(first, second))
+
+
+def _same_image(first: Any, second: Any) -> bool:
+    """Whether two images hold the same pixels. A group's rows are read from the dataset one by one, so their images
+    are equal objects, not the same one; ``==`` compares PIL images (and paths) by content, but numpy arrays and
+    tensors elementwise, which cannot be a truth value."""
+    if first is second:
+        return True
+    if type(first) is not type(second):
+        return False
+    if isinstance(first, (np.ndarray, torch.Tensor)):
+        return first.shape == second.shape and bool((first == second).all())
+    return bool(first == second)
 
 
 def collate_pixel_inputs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

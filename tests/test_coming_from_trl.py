@@ -248,6 +248,34 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, tiny_model
     assert any(not torch.equal(seen[-1][2][n], initial[n]) for n in initial), "the reference must have moved"
 
 
+def test_a_resumed_run_goes_on_with_the_entropy_coefficient_and_the_synced_reference_it_had(
+    tmp_path, tokenizer, prompt_dataset
+):
+    # Both move with training; a resume that restarted them from the config and the initial model would train on
+    # with another bonus and another KL anchor.
+    def run(out, resume=None, **overrides):
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+        args = make_config(out, beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.5, ref_model_sync_steps=1,
+                           use_adaptive_entropy=True, entropy_coef=0.1, entropy_coef_delta=0.05, entropy_target=100.0,
+                           max_steps=4, learning_rate=0.05, generation_kwargs=few_letters(tokenizer), **overrides)
+        trainer = TargetPOTrainer(model, lambda completions, **kw: [float(c.count("a")) for c in completions],
+                                  args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "a")
+    run(tmp_path / "b", save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
+    assert json.loads((checkpoint / "entropy_coefficient.json").read_text())["entropy_coef"] == pytest.approx(0.2)
+    resumed = run(tmp_path / "c", resume=str(checkpoint))
+    assert straight._entropy_coef == pytest.approx(0.3)  # raised after each of the 4 steps (entropy under target)
+    assert resumed._entropy_coef == pytest.approx(straight._entropy_coef)
+    for model in ("ref_model", "model"):
+        resumed_weights = dict(getattr(resumed, model).named_parameters())
+        for name, value in getattr(straight, model).named_parameters():
+            torch.testing.assert_close(resumed_weights[name], value, rtol=1e-5, atol=1e-6, msg=f"{model}.{name}")
+
+
 def test_sync_ref_model_needs_a_reference_copy(tmp_path, tiny_model, tokenizer, prompt_dataset):
     from peft import LoraConfig
 

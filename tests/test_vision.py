@@ -6,6 +6,7 @@ load, since vLLM's Qwen2-VL, Gemma3 and LLaVA-Next modules import torchvision, w
 torch build.
 """
 
+import contextlib
 import importlib.util
 
 import numpy as np
@@ -79,8 +80,9 @@ def test_pixel_inputs_of_rows_are_concatenated_and_padded_like_a_batch():
     assert torch.equal(collated["pixel_values"], expected)
 
 
-def test_prompts_with_images_are_encoded_per_row_and_left_padded():
-    _, processor = build_tiny_vlm("llava_next")
+@contextlib.contextmanager
+def counted_calls(processor):
+    """The texts ``processor`` is called on inside the block."""
     calls = []
     original = type(processor).__call__
 
@@ -90,6 +92,14 @@ def test_prompts_with_images_are_encoded_per_row_and_left_padded():
 
     type(processor).__call__ = counting
     try:
+        yield calls
+    finally:
+        type(processor).__call__ = original
+
+
+def test_prompts_with_images_are_encoded_per_row_and_left_padded():
+    _, processor = build_tiny_vlm("llava_next")
+    with counted_calls(processor) as calls:
         image = random_image(0)
         with_image = with_image_parts([{"role": "user", "content": "A"}], 1, row=0)
         render = processor.apply_chat_template
@@ -99,8 +109,6 @@ def test_prompts_with_images_are_encoded_per_row_and_left_padded():
         encoded = encode_prompts_with_images(
             processor, texts, [[image], [image], []], max_tokens=None, pad_token_id=processor.tokenizer.pad_token_id
         )
-    finally:
-        type(processor).__call__ = original
     assert len(calls) == 2  # the repeated row reused its encoding
     alone = processor(text=[texts[0]], images=[[image]], return_tensors="pt")
     width = encoded.ids.size(1)
@@ -115,6 +123,27 @@ def test_prompts_with_images_are_encoded_per_row_and_left_padded():
     assert encoded.unexpanded_ids[0].count(image_token) == 1 and alone["input_ids"][0].tolist().count(image_token) > 1
     with pytest.raises(ValueError, match="image tokens cannot be cut"):
         encode_prompts_with_images(processor, texts[:1], [[image]], max_tokens=5, pad_token_id=0)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_a_groups_rows_holding_equal_image_arrays_share_one_encoding(kind):
+    # A group's rows are read from the dataset one by one: their images are equal, but distinct, objects.
+    _, processor = build_tiny_vlm("llava_next")
+    as_kind = np.asarray if kind == "numpy" else (lambda image: torch.from_numpy(np.asarray(image).copy()))
+    first, equal, other = as_kind(random_image(0)), as_kind(random_image(0)), as_kind(random_image(1))
+    assert first is not equal
+    text = processor.apply_chat_template(
+        with_image_parts([{"role": "user", "content": "A"}], 1, row=0), tokenize=False, add_generation_prompt=True
+    )
+    with counted_calls(processor) as calls:
+        encoded = encode_prompts_with_images(
+            processor, [text] * 3, [[first], [equal], [other]], max_tokens=None, pad_token_id=0
+        )
+    assert len(calls) == 2  # the second row reused the first's encoding, the third (other pixels) did not
+    pixels = [row["pixel_values"] for row in encoded.pixel_inputs]
+    assert torch.equal(pixels[0], pixels[1]) and not torch.equal(pixels[0], pixels[2])
+    alone = processor(text=[text], images=[[other]], return_tensors="pt")
+    assert torch.equal(pixels[2], alone["pixel_values"])
 
 
 def test_a_later_turns_images_cover_its_context():
@@ -213,6 +242,29 @@ def test_a_vision_language_model_trains_on_prompts_with_images(tmp_path, archite
     trainer.train()
     moved = {name for name, value in model.named_parameters() if not torch.equal(before[name], value.detach())}
     assert moved & vision, "the vision tower received no update"
+
+
+def test_remove_unused_columns_keeps_the_image_column(tmp_path):
+    model, processor = build_tiny_vlm("llava_next")
+    dataset = image_dataset().add_column("answer", ["a", "b", "c", "d"])
+    received = {}
+
+    def reward(completions, **kwargs):
+        received.update(kwargs)
+        return letters_reward(completions)
+
+    args = make_config(tmp_path, remove_unused_columns=True, per_device_train_batch_size=4, num_generations=2,
+                       max_steps=1, max_completion_length=4, max_prompt_length=None, learning_rate=0.05)
+    before = snapshot(model)
+    TargetPOTrainer(model, reward, args=args, train_dataset=dataset, processing_class=processor).train()
+    assert "answer" not in received  # the unused column went
+    # The images stayed: the reward functions get them, and the vision tower learnt from them.
+    pixels = [np.asarray(image) for image in dataset["image"]]
+    assert len(received["image"]) == 4
+    assert all(any(np.array_equal(np.asarray(image), p) for p in pixels) for image in received["image"])
+    vision = [name for name, _ in model.named_parameters() if "vision" in name]
+    assert any(not torch.equal(before[name], value.detach()) for name, value in model.named_parameters()
+               if name in vision), "trained text-only: the images were dropped"
 
 
 def row_images_of(row):
@@ -547,3 +599,31 @@ def test_a_rollout_func_returning_unexpanded_prompt_ids_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"rollout_func returned prompt_ids for prompt 0 \(\d+ tokens\) that are not "
                                          r"the processor's encoding"):
         trainer.train()
+
+
+def test_a_rollout_func_returning_an_overlong_text_prompt_whole_beside_images_is_told_to_cut_it(tmp_path):
+    model, processor = build_tiny_vlm("gemma3")
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": "Describe."}], [{"role": "user", "content": "one two " * 30}]],
+        "image": [random_image(0), None],
+    })
+
+    def rendered(prompt):
+        return processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+    def rollout(prompts, trainer):  # every prompt encoded whole by the processor
+        ids = [processor(text=[rendered(prompt)], images=[images] if (images := [
+            part["image"] for part in prompt[0]["content"] if isinstance(part, dict) and part["type"] == "image"
+        ]) else None, add_special_tokens=False)["input_ids"][0] for prompt in prompts]
+        return {"prompt_ids": [list(row) for row in ids], "completion_ids": [[5, 6]] * len(prompts),
+                "logprobs": [[0.0] * 2] * len(prompts)}
+
+    with_image = processor(text=[rendered(with_image_parts(dataset[0]["prompt"], 1, 0))], images=[[dataset[0]["image"]]],
+                           add_special_tokens=False)["input_ids"][0]
+    allowed = len(with_image) + 8  # room for the prompt with its image, not for the long text
+    args = make_config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_prompt_length=allowed)
+    trainer = TargetPOTrainer(model, letters_reward, args=args, train_dataset=dataset, processing_class=processor,
+                              rollout_func=rollout)
+    with pytest.raises(ValueError, match=rf"prompt 2 \(no images\) \d+ tokens long, more than the {allowed} prompt "
+                                         rf"tokens allowed .* return its last {allowed} tokens"):
+        trainer._rollout([dataset[0], dataset[0], dataset[1], dataset[1]], mode="train")
