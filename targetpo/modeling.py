@@ -322,6 +322,94 @@ def _head_logps_and_entropy(
     return logps, entropy
 
 
+def _is_plain_linear_head(head: nn.Module) -> bool:
+    """Whether ``head`` is an ``nn.Linear`` whose weight is all here, with nothing hooked into its forward pass.
+
+    Only such a head may be computed from its weight directly (:class:`_LinearHeadLogps`). Adapters (PEFT), quantised
+    layers and sharded weights (DeepSpeed ZeRO-3 gathers them in forward hooks, FSDP2 holds DTensors) are called as
+    modules instead.
+    """
+    weight = getattr(head, "weight", None)
+    return (
+        type(head) is nn.Linear
+        and weight.dtype in (*HEAD_DTYPES, torch.float64)
+        and type(weight.data) is torch.Tensor
+        and not hasattr(weight, "ds_id")
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks
+        and not nn.modules.module._global_forward_pre_hooks
+    )
+
+
+class _LinearHeadLogps(torch.autograd.Function):
+    """Token log-probs and entropies of ``(N, H)`` hidden states through a linear head, at temperature ``T``, with
+    ``suppressed`` tokens out of the softmax: what :func:`_head_logps_and_entropy` computes, with a hand-written
+    backward pass that keeps nothing of size ``(N, V)``.
+
+    Backward recomputes the logits ``z`` from the saved hidden states (one matrix product, as activation checkpointing
+    would) and writes their gradient directly: ``d log p_y / dz = onehot(y) - p`` and ``dH / dz = -p (log p + H)``,
+    both divided by ``T``. Autograd through the same operations keeps several float32 ``(N, V)`` intermediates and,
+    under checkpointing, recomputes all of them, the logged entropy included; on a GPU those elementwise passes, not
+    the matrix products, take most of the head's time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, token_ids, temperature, suppressed, with_entropy, entropy_grad):
+        logits = _linear_head_logits(hidden, weight, bias, temperature, suppressed)
+        lse = torch.logsumexp(logits, dim=-1)
+        logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
+        if with_entropy:
+            # H = lse - sum_j p_j z_j, over the tokens left in the softmax (a suppressed one has p = 0, z = -inf).
+            weighted = (logits - lse.unsqueeze(-1)).exp_().mul_(logits)
+            if suppressed is not None:
+                weighted.index_fill_(-1, suppressed, 0.0)
+            entropy = lse - weighted.sum(-1)
+        else:
+            entropy = torch.zeros_like(logps)
+        del logits
+        if not (with_entropy and entropy_grad):
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, bias, token_ids, suppressed, lse, entropy)
+        ctx.temperature, ctx.entropy_grad = temperature, with_entropy and entropy_grad
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, token_ids, suppressed, lse, entropy = ctx.saved_tensors
+        log_probs = _linear_head_logits(hidden, weight, bias, ctx.temperature, suppressed).sub_(lse.unsqueeze(-1))
+        if ctx.entropy_grad and grad_entropy is not None:
+            # -p (g_logp + g_H (log p + H))
+            factor = log_probs + entropy.unsqueeze(-1)
+            factor.mul_(grad_entropy.unsqueeze(-1)).add_(grad_logps.unsqueeze(-1))
+            grad = log_probs.exp_().mul_(factor).neg_()
+            del factor
+        else:
+            grad = log_probs.exp_().mul_(-grad_logps.unsqueeze(-1))
+        grad.scatter_add_(-1, token_ids.unsqueeze(-1), grad_logps.unsqueeze(-1))
+        if suppressed is not None:  # their logits were set, not computed: no gradient (nor 0 * inf, a NaN)
+            grad.index_fill_(-1, suppressed, 0.0)
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        grad = grad.to(weight.dtype)  # as autograd hands the float32 cast's gradient back to the head's dtype
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _linear_head_logits(hidden, weight, bias, temperature, suppressed) -> torch.Tensor:
+    """The float32 logits of a linear head in its own dtype (as in backward, where no autocast applies), divided by
+    the temperature, suppressed tokens at -inf."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    if suppressed is not None:
+        logits.index_fill_(-1, suppressed, float("-inf"))
+    return logits
+
+
 def _liger_head_logps(head: nn.Module, hidden_rows: torch.Tensor, token_rows: torch.Tensor, temperature: float):
     """Token log-probs of ``(N, H)`` hidden states through Liger's fused linear cross-entropy kernel.
 
@@ -351,9 +439,17 @@ def _head_in_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of ``(N, H)`` hidden states, the head running on ``chunk_size`` rows at a time."""
     logps, entropies = [], []
+    training = torch.is_grad_enabled() and hidden_rows.requires_grad
+    fused = training and _is_plain_linear_head(head)
+    if suppressed_token_ids is not None and suppressed_token_ids.numel() == 0:
+        suppressed_token_ids = None
     for start in range(0, hidden_rows.size(0), chunk_size):
         part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
-        if torch.is_grad_enabled() and hidden_rows.requires_grad:
+        if fused:
+            chunk_logps, chunk_entropy = _LinearHeadLogps.apply(
+                part[0], head.weight, head.bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
+            )
+        elif training:
             # Recompute the chunk's logits in backward instead of keeping them: the point of chunking.
             chunk_logps, chunk_entropy = torch.utils.checkpoint.checkpoint(
                 _head_logps_and_entropy,
@@ -389,8 +485,9 @@ def _chunked_head_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
 
-    Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and, through activation
-    checkpointing, in the backward pass too; positions outside ``mask`` are skipped and read as 0. With ``liger``
+    Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and in the backward pass too,
+    which recomputes them (:class:`_LinearHeadLogps` for a plain linear head, activation checkpointing for any other);
+    positions outside ``mask`` are skipped and read as 0. With ``liger``
     the log-probs come from Liger's fused kernel instead (no suppressed tokens), and the entropies, a metric, from
     chunks computed without gradient.
     """

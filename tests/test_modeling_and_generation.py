@@ -9,6 +9,8 @@ from logps_cases import logps_entropies_and_gradients, padded_batch
 
 from targetpo.generation import SamplingSettings, TransformersBackend, completion_masks
 from targetpo.modeling import (
+    _head_in_chunks,
+    _is_plain_linear_head,
     completion_logps,
     entropy_from_logits,
     forward_accepts_position_ids,
@@ -111,6 +113,64 @@ def test_chunked_head_only_where_logits_are_the_plain_head_output(tiny_model):
     assert supports_chunked_head(tiny_model)
     tiny_model.config.final_logit_softcapping = 30.0  # logits post-processed after the head: not chunkable
     assert not supports_chunked_head(tiny_model)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["entropy-metric", "entropy-bonus"])
+def test_the_linear_heads_gradient_is_the_closed_form(entropy_grad):
+    """The chunked head's hand-written backward pass against d log p_y / dz = onehot(y) - p and
+    dH / dz = -p (log p + H), divided by the temperature, none for suppressed tokens (worked out in float64)."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width, vocab, temperature, suppressed = 9, 6, 11, 0.7, torch.tensor([2, 7])
+    head = torch.nn.Linear(width, vocab)
+    hidden = torch.randn(rows, width, generator=generator, requires_grad=True)
+    tokens = torch.tensor([0, 1, 3, 4, 5, 6, 8, 9, 7])  # the last one suppressed: log p = -inf, no gradient
+    logp_grad, entropy_grad_in = torch.randn(2, rows, generator=generator)
+    assert _is_plain_linear_head(head)
+
+    # Chunks of 4 rows, through the path training takes.
+    logps, entropies = _head_in_chunks(head, hidden, tokens, temperature, suppressed, 4, True, entropy_grad)
+    loss = (torch.where(torch.isfinite(logps), logps, 0) * logp_grad).sum()
+    (loss + ((entropies * entropy_grad_in).sum() if entropy_grad else 0)).backward()
+
+    with torch.no_grad():
+        weight, bias, x = head.weight.double(), head.bias.double(), hidden.double()
+        z = (x @ weight.T + bias) / temperature
+        z[:, suppressed] = -math.inf
+        log_p = z.log_softmax(-1)
+        p = log_p.exp()
+        entropy = -(p * log_p.nan_to_num(neginf=0.0)).sum(-1)
+        g = logp_grad.double()
+        g[-1] = 0  # the suppressed token's -inf left out of the loss
+        dz = g[:, None] * (torch.nn.functional.one_hot(tokens, vocab) - p)
+        if entropy_grad:
+            dz -= entropy_grad_in.double()[:, None] * p * (log_p.nan_to_num(neginf=0.0) + entropy[:, None])
+        dz[:, suppressed] = 0
+        dz /= temperature
+
+    def close(actual, expected):
+        torch.testing.assert_close(actual, expected.float(), rtol=1e-5, atol=1e-6)
+
+    close(logps[:-1], log_p.gather(-1, tokens[:, None]).squeeze(-1)[:-1])
+    assert logps[-1] == -math.inf
+    close(entropies, entropy)
+    close(hidden.grad, dz @ weight)
+    close(head.weight.grad, dz.T @ x)
+    close(head.bias.grad, dz.sum(0))
+
+
+def test_heads_that_are_not_a_plain_linear_layer_are_called_as_modules(tiny_model):
+    # Adapters, quantised layers and sharded weights change what the module computes from its weight, or where the
+    # weight is: only a plain nn.Linear with no hooks is computed from its weight directly.
+    head = tiny_model.get_output_embeddings()
+    assert _is_plain_linear_head(head)
+    handle = head.register_forward_pre_hook(lambda module, args: None)  # as DeepSpeed ZeRO-3 gathers weights
+    assert not _is_plain_linear_head(head)
+    handle.remove()
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    assert not _is_plain_linear_head(Adapted(4, 5))
 
 
 def test_entropy_of_uniform_and_peaked_logits():
