@@ -560,3 +560,20 @@ def test_each_named_eval_dataset_is_evaluated_under_its_name(tmp_path, tiny_mode
     assert "eval_reward" not in logged and "eval_low_loss" in logged and "eval_high_loss" in logged
     metrics = trainer.evaluate(metric_key_prefix="test")
     assert metrics["test_low_reward"] == pytest.approx(2.0) and metrics["test_high_reward"] == pytest.approx(15.0)
+
+
+def test_named_eval_datasets_keep_their_own_persistent_worker_loaders(tmp_path, tiny_model, tokenizer):
+    # With persistent workers the Trainer keeps one loader per name; each evaluation must read its own dataset.
+    evals = {
+        "low": Dataset.from_dict({"prompt": PROMPTS[:2], "score": [1.0, 3.0]}),
+        "high": Dataset.from_dict({"prompt": PROMPTS[2:4], "score": [10.0, 20.0]}),
+    }
+    args = make_config(tmp_path, per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=1, max_steps=2,
+                       dataloader_num_workers=1, dataloader_persistent_workers=True)
+    trainer = TargetPOTrainer(tiny_model, constant_reward, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS, "score": [0.0] * 8}),
+                              eval_dataset=evals, processing_class=tokenizer)
+    trainer.train()
+    rewards = [(name, entry[f"eval_{name}_reward"]) for entry in trainer.state.log_history for name in evals
+               if f"eval_{name}_reward" in entry]
+    assert rewards == [("low", pytest.approx(2.0)), ("high", pytest.approx(15.0))] * 2
