@@ -330,15 +330,21 @@ def _is_plain_linear_head(head: nn.Module) -> bool:
     modules instead.
     """
     weight = getattr(head, "weight", None)
+    hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks)
+    module = nn.modules.module
+    global_hooks = (
+        module._global_forward_hooks, module._global_forward_pre_hooks,
+        module._global_backward_hooks, module._global_backward_pre_hooks,
+    )
     return (
         type(head) is nn.Linear
         and weight.dtype in (*HEAD_DTYPES, torch.float64)
         and type(weight.data) is torch.Tensor
-        and not hasattr(weight, "ds_id")
-        and not head._forward_hooks
-        and not head._forward_pre_hooks
-        and not nn.modules.module._global_forward_hooks
-        and not nn.modules.module._global_forward_pre_hooks
+        and not hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3
+        and not hasattr(head, "_hf_hook")  # accelerate's dispatch and offloading replace forward
+        and getattr(vars(head).get("forward", head.forward), "__func__", None) is nn.Linear.forward
+        and not any(hooks)
+        and not any(global_hooks)
     )
 
 
@@ -360,11 +366,14 @@ class _LinearHeadLogps(torch.autograd.Function):
         lse = torch.logsumexp(logits, dim=-1)
         logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
         if with_entropy:
-            # H = lse - sum_j p_j z_j, over the tokens left in the softmax (a suppressed one has p = 0, z = -inf).
-            weighted = (logits - lse.unsqueeze(-1)).exp_().mul_(logits)
+            # H = -sum_j p_j log p_j (not lse - sum_j p_j z_j, which loses float32 digits to cancellation); a suppressed
+            # token has p = 0, log p = -inf, and adds nothing.
+            log_probs = logits.sub_(lse.unsqueeze(-1))
+            weighted = log_probs.exp().mul_(log_probs)
             if suppressed is not None:
                 weighted.index_fill_(-1, suppressed, 0.0)
-            entropy = lse - weighted.sum(-1)
+            entropy = -weighted.sum(-1)
+            del weighted, log_probs
         else:
             entropy = torch.zeros_like(logps)
         del logits
@@ -439,8 +448,11 @@ def _head_in_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of ``(N, H)`` hidden states, the head running on ``chunk_size`` rows at a time."""
     logps, entropies = [], []
-    training = torch.is_grad_enabled() and hidden_rows.requires_grad
-    fused = training and _is_plain_linear_head(head)
+    weight = getattr(head, "weight", None)
+    training = torch.is_grad_enabled() and (
+        hidden_rows.requires_grad or (isinstance(weight, torch.Tensor) and weight.requires_grad)
+    )
+    fused = training and _is_plain_linear_head(head) and weight.device == hidden_rows.device
     if suppressed_token_ids is not None and suppressed_token_ids.numel() == 0:
         suppressed_token_ids = None
     for start in range(0, hidden_rows.size(0), chunk_size):

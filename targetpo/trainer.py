@@ -1591,7 +1591,8 @@ def _check_rollout_func_prompts(encoded: EncodedPrompts, prompt_ids: torch.Tenso
     for row, (ours, theirs) in enumerate(zip(expected, returned)):
         if ours == theirs:
             continue
-        if not encoded.pixel_inputs[row] and len(theirs) > len(ours) and theirs[-len(ours) :] == ours:
+        was_cut = len(encoded.unexpanded_ids[row]) > len(ours)  # a row without images: its ids, before the cut
+        if not encoded.pixel_inputs[row] and was_cut and theirs[-len(ours) :] == ours:
             raise ValueError(
                 f"rollout_func returned prompt_ids for prompt {row} (no images) {len(theirs)} tokens long, more than "
                 f"the {len(ours)} prompt tokens allowed (max_prompt_length, or what the model's positions leave beside "

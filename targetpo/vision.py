@@ -227,8 +227,10 @@ def _same_image(first: Any, second: Any) -> bool:
         return True
     if type(first) is not type(second):
         return False
-    if isinstance(first, (np.ndarray, torch.Tensor)):
-        return first.shape == second.shape and bool((first == second).all())
+    if isinstance(first, np.ndarray):
+        return first.dtype == second.dtype and np.array_equal(first, second)
+    if isinstance(first, torch.Tensor):
+        return first.dtype == second.dtype and first.device == second.device and torch.equal(first, second)
     return bool(first == second)
 
 

@@ -1,4 +1,4 @@
-"""A vLLM logits processor that leaves logits alone and rests a few milliseconds before every decoding step.
+"""A vLLM logits processor that leaves logits alone and rests a millisecond before every decoding step.
 
 Loaded into a test server with ``--logits-processors paced_vllm_steps:PacedSteps`` (this folder on its PYTHONPATH).
 On a 2-core machine the engine's busy loop can starve the API server for whole seconds, so a pause sent while a

@@ -127,8 +127,9 @@ def test_the_linear_heads_gradient_is_the_closed_form(entropy_grad):
     logp_grad, entropy_grad_in = torch.randn(2, rows, generator=generator)
     assert _is_plain_linear_head(head)
 
-    # Chunks of 4 rows, through the path training takes.
+    # Chunks of 4 rows, through the path training takes: the written-out backward pass.
     logps, entropies = _head_in_chunks(head, hidden, tokens, temperature, suppressed, 4, True, entropy_grad)
+    assert logps.grad_fn.next_functions[0][0].name() == "_LinearHeadLogpsBackward"
     loss = (torch.where(torch.isfinite(logps), logps, 0) * logp_grad).sum()
     (loss + ((entropies * entropy_grad_in).sum() if entropy_grad else 0)).backward()
 
@@ -158,19 +159,42 @@ def test_the_linear_heads_gradient_is_the_closed_form(entropy_grad):
     close(head.bias.grad, dz.sum(0))
 
 
-def test_heads_that_are_not_a_plain_linear_layer_are_called_as_modules(tiny_model):
-    # Adapters, quantised layers and sharded weights change what the module computes from its weight, or where the
-    # weight is: only a plain nn.Linear with no hooks is computed from its weight directly.
+def test_the_written_out_head_keeps_float32_entropies_of_sharp_distributions_exact():
+    # Large logits over a large vocabulary: lse - sum(p z) would cancel away float32 digits; -sum(p log p) does not.
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 20000, bias=False)
+    torch.nn.init.normal_(head.weight, std=3.0, generator=generator)
+    hidden = torch.randn(6, 8, generator=generator, requires_grad=True)
+    _, entropies = _head_in_chunks(head, hidden, torch.zeros(6, dtype=torch.long), 1.0, None, 6, True, False)
+    with torch.no_grad():
+        log_p = (hidden.double() @ head.weight.double().T).log_softmax(-1)
+        expected = -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(entropies, expected.float(), rtol=1e-5, atol=2e-6)
+
+
+def test_only_a_plain_linear_head_without_hooks_takes_the_written_out_backward_pass(tiny_model):
+    # Adapters, quantised layers, sharded or offloaded weights and hooks change what the module computes from its
+    # weight, or where the weight is: such heads are called as modules, under activation checkpointing.
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
     head = tiny_model.get_output_embeddings()
     assert _is_plain_linear_head(head)
-    handle = head.register_forward_pre_hook(lambda module, args: None)  # as DeepSpeed ZeRO-3 gathers weights
+    for register in (head.register_forward_pre_hook, head.register_full_backward_hook):
+        handle = register(lambda *args: None)  # as DeepSpeed ZeRO-3 gathers weights in forward hooks
+        assert not _is_plain_linear_head(head)
+        handle.remove()
+    add_hook_to_module(head, ModelHook())  # accelerate's dispatch and offloading replace forward
     assert not _is_plain_linear_head(head)
-    handle.remove()
+    remove_hook_from_module(head)
+    assert _is_plain_linear_head(head)
 
     class Adapted(torch.nn.Linear):
         pass
 
     assert not _is_plain_linear_head(Adapted(4, 5))
+    hidden = torch.randn(3, 4, requires_grad=True)
+    logps, _ = _head_in_chunks(Adapted(4, 5), hidden, torch.tensor([0, 1, 2]), 1.0, None, 3, True, False)
+    assert logps.grad_fn.next_functions[0][0].name() != "_LinearHeadLogpsBackward"
 
 
 def test_entropy_of_uniform_and_peaked_logits():

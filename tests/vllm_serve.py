@@ -45,7 +45,8 @@ def served_vllm(model_dir, log_path, extra_args=()):
          "--enforce-eager", *extra_args],
     )
     env = with_python_path(REPOSITORY, {**os.environ, **env, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    env = with_python_path(TESTS, env)  # for test-side plugins named in extra_args (paced_vllm_steps)
+    # Test-side plugins named in extra_args (paced_vllm_steps) come from here, after everything else.
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(TESTS)])
     with running_server(command, env, log_path, port) as base_url:
         yield base_url
 
