@@ -174,15 +174,15 @@ def test_generation_kwargs_spelling_a_sampling_field_at_its_default_wins(tmp_pat
         "eos_token_id": [3], "suppress_tokens": [4],
     })
     resolved = resolve_generation_kwargs(args)
-    assert resolved["temperature"] == 0.7 and resolved["top_k"] == 5
-    assert resolved["from_generation_kwargs"] == ("temperature", "top_k")
-    assert resolved["stop_token_ids"] == (3,)
+    assert resolved.temperature == 0.7 and resolved.top_k == 5
+    assert resolved.from_generation_kwargs == ("temperature", "top_k")
+    assert resolved.stop_token_ids == (3,)
     # What is left goes to the backend; what the trainer resolved (or what changes nothing) is not passed twice.
-    assert resolved["generation_kwargs"] == {"suppress_tokens": [4]}
+    assert resolved.generation_kwargs == {"suppress_tokens": [4]}
     # Equal values in both places, and vLLM's spelling of "no top-k", agree with the field.
     agreeing = config(tmp_path, temperature=0.5, top_k=0, use_vllm=True, generation_kwargs={"temperature": 0.5, "top_k": -1})
     resolved = resolve_generation_kwargs(agreeing)
-    assert resolved["temperature"] == 0.5 and resolved["top_k"] == 0 and resolved["from_generation_kwargs"] == ()
+    assert resolved.temperature == 0.5 and resolved.top_k == 0 and resolved.from_generation_kwargs == ()
 
 
 @pytest.mark.parametrize(
@@ -243,8 +243,8 @@ def test_sampling_settings_that_contradict_each_other_or_the_trainer_are_refused
 )
 def test_every_setting_that_reshapes_sampling_is_named(tmp_path, use_vllm, generation_kwargs, reshaped_by):
     resolved = resolve_generation_kwargs(config(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs))
-    resolved.pop("stop_token_ids")
-    settings = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, **resolved)
+    fields = {key: value for key, value in resolved._asdict().items() if key != "stop_token_ids"}
+    settings = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, **fields)
     assert settings.reshaping_settings == reshaped_by
     assert settings.reshapes_distribution == bool(reshaped_by)
     typed = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, top_p=0.9, repetition_penalty=1.1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import GenerationConfig
 
@@ -25,6 +25,7 @@ STOP_TOKEN_KEYS = ("eos_token_id", "stop_token_ids")
 
 
 def _is_unset(value: Any) -> bool:
+    """None, False or empty: a setting that asks for nothing."""
     return value is None or value is False or (isinstance(value, (list, tuple, dict, str)) and not value)
 
 
@@ -163,15 +164,27 @@ def _reshapes(key: str, value: Any) -> bool:
     return not (key in NEUTRAL_VALUES and value == NEUTRAL_VALUES[key])
 
 
-def resolve_generation_kwargs(args: Any) -> dict[str, Any]:
+class ResolvedSampling(NamedTuple):
+    """The sampling settings of :func:`resolve_generation_kwargs`: one value per typed field, and what is left."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float | None
+    repetition_penalty: float
+    generation_kwargs: dict[str, Any]  # the other settings, in the backend's terms
+    stop_token_ids: tuple[int, ...]  # beyond the tokenizer's and the model's EOS
+    from_generation_kwargs: tuple[str, ...]  # the typed fields whose value generation_kwargs gave
+
+
+def resolve_generation_kwargs(args: Any) -> ResolvedSampling:
     """The run's sampling settings from the config's typed fields and ``generation_kwargs``, resolved once.
 
     A ``generation_kwargs`` key that spells a typed field (``temperature``, ``top_p``, ``top_k``, ``min_p``,
     ``repetition_penalty``) wins when that field is at its default and must agree with it otherwise; a length key
     (``max_new_tokens``, ``max_tokens``) must equal ``max_completion_length``; ``eos_token_id`` and
     ``stop_token_ids`` join the stop tokens; a key that contradicts what the trainer assumes is refused. Every
-    ``ValueError`` names both settings. Returns :class:`SamplingSettings` fields: the typed values,
-    ``generation_kwargs`` (what is left, in the backend's terms), ``stop_token_ids`` and ``from_generation_kwargs``.
+    ``ValueError`` names both settings.
     """
     extra = dict(args.generation_kwargs or {})
     for key, (compatible, why) in CONTRADICTING_KEYS.items():
@@ -217,16 +230,16 @@ def resolve_generation_kwargs(args: Any) -> dict[str, Any]:
         unknown = sorted(key for key in extra if not hasattr(blank, key))
         if unknown:
             raise ValueError(
-                f"generation_kwargs keys {unknown} are not GenerationConfig fields, so model.generate would ignore them. "
-                "Sampling with model.generate (use_vllm=False) takes GenerationConfig fields; vllm.SamplingParams "
+                f"generation_kwargs keys {unknown} are not GenerationConfig fields, so model.generate would ignore "
+                "them. Sampling with model.generate (use_vllm=False) takes GenerationConfig fields; vllm.SamplingParams "
                 "fields need use_vllm=True."
             )
-    return {
+    return ResolvedSampling(
         **resolved,
-        "generation_kwargs": extra,
-        "stop_token_ids": tuple(sorted(stop_token_ids)),
-        "from_generation_kwargs": tuple(from_generation_kwargs),
-    }
+        generation_kwargs=extra,
+        stop_token_ids=tuple(sorted(stop_token_ids)),
+        from_generation_kwargs=tuple(from_generation_kwargs),
+    )
 
 
 @dataclass(frozen=True)
@@ -257,7 +270,7 @@ class SamplingSettings:
     def from_config(cls, args: Any, tokenizer: Any, model: Any) -> SamplingSettings:
         """The config's sampling (:func:`resolve_generation_kwargs`); a completion ends at the tokenizer's EOS, any
         the model's generation config names, or any ``generation_kwargs`` adds."""
-        resolved = resolve_generation_kwargs(args)
+        resolved = resolve_generation_kwargs(args)._asdict()
         eos_ids = {tokenizer.eos_token_id, *resolved.pop("stop_token_ids")}
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos_ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos])
