@@ -382,20 +382,6 @@ def lora_config(model_args: ModelArguments):
     )
 
 
-def rollout_sampling(args: TargetPOConfig) -> dict:
-    """The `GenerationConfig` settings with which the trainer sampled rollouts (generation_kwargs last, as there)."""
-    return {
-        "do_sample": True,
-        "max_new_tokens": args.max_completion_length,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        **(args.generation_kwargs or {}),
-    }
-
-
 def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, ModelArguments]:
     parser = HfArgumentParser((ScriptArguments, TargetPOConfig, ModelArguments))
     # The embedded task's defaults apply only when it is the task: a Hub model keeps the library's RL defaults.
@@ -517,8 +503,9 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
     trainer.train()
     if embedded_task and not guess_task:
         # Saved with the model, so that a plain `generate` samples as the rollouts did (the trainer itself ignores a
-        # checkpoint's generation_config): only '0' and '1', exactly H of them.
-        trainer.accelerator.unwrap_model(trainer.model).generation_config.update(**rollout_sampling(training_args))
+        # checkpoint's generation_config): only '0' and '1', exactly H of them, with the resolved sampling settings.
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        policy.generation_config.update(**trainer.sampling.generation_config_fields())
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if trainer.is_world_process_zero():

@@ -140,7 +140,12 @@ class GRPOConfig(TrainingArguments):
     )
     generation_kwargs: dict | str | None = field(
         default=None,
-        metadata={"help": "Extra `GenerationConfig` settings for rollouts (JSON), e.g. '{\"suppress_tokens\": [3]}'."},
+        metadata={
+            "help": "Extra sampling settings for rollouts (JSON): `GenerationConfig` fields, or `vllm.SamplingParams` "
+            "fields with use_vllm=True, e.g. '{\"suppress_tokens\": [3]}'. A key spelling a sampling field above "
+            "(temperature, top_p, ...) is used everywhere when that field is at its default, and refused when they "
+            "differ; see docs/trainer.md."
+        },
     )
     chat_template_kwargs: dict | str | None = field(
         default=None,
@@ -271,7 +276,8 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Weight each token's gradient by the truncated ratio of the trainer's to vLLM's sampling "
-            "probability, correcting for the small differences between the two implementations."
+            "probability, correcting for the small differences between the two implementations. Switched off, with "
+            "a warning, when sampling settings reshape the distribution (top-p, top-k, min-p, penalties, ...)."
         },
     )
     vllm_importance_sampling_mode: str = field(
@@ -387,7 +393,8 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Leave out of the policy loss each completion with a negative advantage whose mean token KL from "
-            "the policy that sampled it exceeds this threshold (e.g. 0.5). None: off."
+            "the policy that sampled it exceeds this threshold (e.g. 0.5): vLLM's log-probs, or the trainer's "
+            "rollout-time ones without vLLM or when sampling is reshaped (top-k, penalties, ...). None: off."
         },
     )
     sync_ref_model: bool = field(

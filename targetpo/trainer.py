@@ -398,10 +398,11 @@ class TargetPOTrainer(Trainer):
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
             # their ratio would measure the truncation, not an implementation mismatch.
             warnings.warn(
-                "vllm_importance_sampling_correction is switched off: with top_p, top_k, min_p, repetition_penalty or "
-                "vllm_structured_outputs_regex "
-                "the engine's sampling log-probs include that reshaping and the trainer's do not, so the weights would "
-                "shrink every gradient. Sample without them to use the correction.",
+                "vllm_importance_sampling_correction is switched off: sampling is reshaped by "
+                f"{', '.join(self.sampling.reshaping_settings)}; the engine's sampling log-probs include that "
+                "reshaping and the "
+                "trainer's do not, so the weights would shrink every gradient. Sample without them to use the "
+                "correction.",
                 stacklevel=2,
             )
             self._importance_sampling = False
@@ -1118,7 +1119,7 @@ class TargetPOTrainer(Trainer):
             *inputs,
             image_inputs=image_inputs,
             prompt_aligned=prompt_aligned,
-            temperature=self.args.temperature,
+            temperature=self.sampling.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
             router_aux_loss=aux_loss_sink is not None,
@@ -1278,8 +1279,11 @@ class TargetPOTrainer(Trainer):
             pool = self.accelerator.gather(padded)
             weights = F.high_entropy_mask(entropies, mask, args.top_entropy_quantile, pool[pool >= 0]).float()
         if args.off_policy_mask_threshold is not None:
-            # The policy that sampled: vLLM's log-probs where it reported them, else the rollout's own.
-            sampler = inputs.get("sampler_per_token_logps", inputs.get("old_per_token_logps", per_token_logps.detach()))
+            # The policy that sampled: vLLM's log-probs where they describe the trainer's distribution, else the
+            # rollout's own (under top-k, penalties, ... vLLM's are of the reshaped one, as for the importance weights).
+            sampler = inputs.get("old_per_token_logps", per_token_logps.detach())
+            if not self.sampling.reshapes_distribution:
+                sampler = inputs.get("sampler_per_token_logps", sampler)
             keep = F.off_policy_sequence_mask(
                 inputs["advantages"], per_token_logps, sampler, mask, args.off_policy_mask_threshold
             ).float()

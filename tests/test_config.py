@@ -4,6 +4,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from targetpo import GRPOConfig, TargetPOConfig
+from targetpo.generation.sampling import SamplingSettings, resolve_generation_kwargs
 
 
 def config(tmp_path, **kwargs):
@@ -164,3 +165,87 @@ def test_coherent_loss_settings_do_not_warn(tmp_path, recwarn):
                    dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5), dict(loss_type="tpo")):
         config(tmp_path, **kwargs)
     assert not [w for w in recwarn if issubclass(w.category, UserWarning) and "loss" in str(w.message)]
+
+
+# ------------------------------------------------------------------------------------------------ sampling settings
+def test_generation_kwargs_spelling_a_sampling_field_at_its_default_wins(tmp_path):
+    args = config(tmp_path, max_completion_length=6, generation_kwargs={
+        "temperature": 0.7, "top_k": 5, "max_new_tokens": 6, "do_sample": True, "num_return_sequences": 1,
+        "eos_token_id": [3], "suppress_tokens": [4],
+    })
+    resolved = resolve_generation_kwargs(args)
+    assert resolved.temperature == 0.7 and resolved.top_k == 5
+    assert resolved.from_generation_kwargs == ("temperature", "top_k")
+    assert resolved.stop_token_ids == (3,)
+    # What is left goes to the backend; what the trainer resolved (or what changes nothing) is not passed twice.
+    assert resolved.generation_kwargs == {"suppress_tokens": [4]}
+    # Equal values in both places, and vLLM's spelling of "no top-k", agree with the field.
+    agreeing = config(tmp_path, temperature=0.5, top_k=0, use_vllm=True, generation_kwargs={"temperature": 0.5, "top_k": -1})
+    resolved = resolve_generation_kwargs(agreeing)
+    assert resolved.temperature == 0.5 and resolved.top_k == 0 and resolved.from_generation_kwargs == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=0.9, generation_kwargs={"temperature": 0.7}),
+         r"generation_kwargs\['temperature'\]=0.7 contradicts temperature=0.9"),
+        (dict(top_p=0.8, generation_kwargs={"top_p": 0.9}), r"generation_kwargs\['top_p'\]=0.9 contradicts top_p=0.8"),
+        (dict(min_p=0.1, generation_kwargs={"min_p": 0.2}), r"generation_kwargs\['min_p'\]=0.2 contradicts min_p=0.1"),
+        (dict(repetition_penalty=1.2, generation_kwargs={"repetition_penalty": 1.1}),
+         r"generation_kwargs\['repetition_penalty'\]=1.1 contradicts repetition_penalty=1.2"),
+        (dict(max_completion_length=6, generation_kwargs={"max_new_tokens": 8}),
+         r"generation_kwargs\['max_new_tokens'\]=8 contradicts max_completion_length=6.*Set max_completion_length=8"),
+        (dict(max_completion_length=6, use_vllm=True, generation_kwargs={"max_tokens": 4}),
+         r"generation_kwargs\['max_tokens'\]=4 contradicts max_completion_length=6"),
+        (dict(generation_kwargs={"temperature": 0.0}), r"generation_kwargs\['temperature'\]=0.0 is out of range.*greedy"),
+        (dict(generation_kwargs={"top_p": 1.5}), r"generation_kwargs\['top_p'\]=1.5 is out of range for top_p"),
+        (dict(generation_kwargs={"do_sample": False}), r"generation_kwargs\['do_sample'\]=False is refused.*greedily"),
+        (dict(generation_kwargs={"num_return_sequences": 4}),
+         r"generation_kwargs\['num_return_sequences'\]=4 is refused.*Set num_generations"),
+        (dict(use_vllm=True, generation_kwargs={"n": 2}), r"generation_kwargs\['n'\]=2 is refused.*Set num_generations"),
+        (dict(generation_kwargs={"num_beams": 4}), r"generation_kwargs\['num_beams'\]=4 is refused.*beams"),
+        (dict(use_vllm=True, generation_kwargs={"logprobs": 5}), r"generation_kwargs\['logprobs'\]=5 is refused"),
+        (dict(generation_kwargs={"max_length": 40}), r"generation_kwargs\['max_length'\]=40 is refused.*max_completion_length"),
+        (dict(use_vllm=True, generation_kwargs={"seed": 3}), r"generation_kwargs\['seed'\]=3 is refused.*Set seed"),
+        (dict(use_vllm=True, generation_kwargs={"ignore_eos": True}), r"generation_kwargs\['ignore_eos'\]=True is refused"),
+        (dict(use_vllm=True, generation_kwargs={"stop": ["\n"]}), r"generation_kwargs\['stop'\]=\['\\n'\] is refused.*stop_token_ids"),
+        # model.generate would silently ignore a setting GenerationConfig does not have.
+        (dict(generation_kwargs={"presence_penalty": 0.5}),
+         r"generation_kwargs keys \['presence_penalty'\] are not GenerationConfig fields.*use_vllm=True"),
+    ],
+    ids=["temperature", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_tokens", "greedy-temperature",
+         "top_p-range", "do_sample", "num_return_sequences", "n", "num_beams", "logprobs", "max_length", "seed",
+         "ignore_eos", "stop", "vllm-field-without-vllm"],
+)
+def test_sampling_settings_that_contradict_each_other_or_the_trainer_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_generation_kwargs(config(tmp_path, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "use_vllm, generation_kwargs, reshaped_by",
+    [
+        (False, {"suppress_tokens": [3], "use_cache": True}, ()),  # suppressed tokens leave the log-probs too
+        (False, {"top_k": 5}, ("generation_kwargs['top_k']",)),
+        (False, {"typical_p": 0.9, "no_repeat_ngram_size": 3}, ("generation_kwargs['typical_p']",
+                                                                 "generation_kwargs['no_repeat_ngram_size']")),
+        (False, {"typical_p": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None}, ()),
+        (False, {"bad_words_ids": [[5, 6]], "min_new_tokens": 2}, ("generation_kwargs['bad_words_ids']",
+                                                                    "generation_kwargs['min_new_tokens']")),
+        (True, {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}, ()),
+        (True, {"presence_penalty": 0.5, "logit_bias": {5: 1.0}}, ("generation_kwargs['presence_penalty']",
+                                                                  "generation_kwargs['logit_bias']")),
+        (True, {"min_p": 0.05, "epsilon_cutoff": 0.001}, ("generation_kwargs['min_p']",
+                                                          "generation_kwargs['epsilon_cutoff']")),
+        (True, {"an_unknown_field": 1}, ("generation_kwargs['an_unknown_field']",)),  # unknown: assumed to reshape
+    ],
+)
+def test_every_setting_that_reshapes_sampling_is_named(tmp_path, use_vllm, generation_kwargs, reshaped_by):
+    resolved = resolve_generation_kwargs(config(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs))
+    fields = {key: value for key, value in resolved._asdict().items() if key != "stop_token_ids"}
+    settings = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, **fields)
+    assert settings.reshaping_settings == reshaped_by
+    assert settings.reshapes_distribution == bool(reshaped_by)
+    typed = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, top_p=0.9, repetition_penalty=1.1)
+    assert typed.reshaping_settings == ("top_p", "repetition_penalty")

@@ -13,9 +13,14 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import BitsAndBytesConfig
+from transformers import BitsAndBytesConfig, GenerationConfig
 
-from targetpo.demo import build_tiny_causal_lm, reverse_task_dataset, reverse_task_tokenizer
+from targetpo.demo import (
+    binary_only_generation_kwargs,
+    build_tiny_causal_lm,
+    reverse_task_dataset,
+    reverse_task_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "target_po.py"
@@ -177,6 +182,21 @@ def test_trained_model_is_usable_as_the_readme_says(tmp_path):
     assert len(completions) == len(namespace["prompts"]) == len(rewards)
     assert all(len(text) == 6 and set(text) <= {"0", "1"} for text in completions), completions
     assert all(reward in (0.0, 1.0) for reward in rewards)
+
+
+def test_the_saved_generation_config_holds_the_resolved_sampling_settings(tmp_path):
+    """Sampling settings given through generation_kwargs are the ones rollouts used, and the ones saved with the
+    model for a plain `generate`."""
+    example = load_example()
+    out = tmp_path / "run"
+    tokenizer = reverse_task_tokenizer()
+    settings = {**binary_only_generation_kwargs(tokenizer), "temperature": 0.7, "top_k": 2, "max_new_tokens": 4}
+    trainer = example.main(["--max_steps", "1", "--output_dir", str(out), "--reverse_length", "4",
+                            "--disable_tqdm", "true", "--generation_kwargs", json.dumps(settings)])
+    assert trainer.args.temperature == 1.0 and trainer.sampling.temperature == 0.7 and trainer.sampling.top_k == 2
+    saved = GenerationConfig.from_pretrained(out)
+    assert saved.do_sample and saved.temperature == 0.7 and saved.top_k == 2 and saved.max_new_tokens == 4
+    assert saved.suppress_tokens == settings["suppress_tokens"]
 
 
 @pytest.mark.slow

@@ -92,6 +92,11 @@ def suppressed_ids(args):
     return tuple((args.generation_kwargs or {}).get("suppress_tokens", ()))
 
 
+def sampling_temperature(args):
+    """The documented rule: generation_kwargs' temperature, when given, with the field at its default."""
+    return (args.generation_kwargs or {}).get("temperature", args.temperature)
+
+
 def micro_steps(run):
     """(optimiser step, rollout index, rows, whether the weights are still the rollout's) of every micro-step, from
     the documented schedule."""
@@ -140,9 +145,9 @@ def reference_step(run, step, reference_model=None):
         skips = args.beta == 0 and not args.entropy_coef and args.top_entropy_quantile == 1
         trained = trained_groups(u, valid, K, at_rollout_weights) if skips else [True] * (len(u) // K)
         trained_rows = torch.tensor(trained).repeat_interleave(K) & valid
-        logps, entropy = ref.token_logps(model, *inputs, args.temperature, suppressed_ids(args))
+        logps, entropy = ref.token_logps(model, *inputs, sampling_temperature(args), suppressed_ids(args))
         with torch.no_grad():
-            old, _ = ref.token_logps(rollout_model, *inputs, args.temperature, suppressed_ids(args))
+            old, _ = ref.token_logps(rollout_model, *inputs, sampling_temperature(args), suppressed_ids(args))
         # The tokens the policy loss trains on: the top entropy quantile of the micro-step's tokens, and not the
         # completions with a negative advantage that are too far off-policy (mean KL from the rollout's policy).
         kept = mask.clone()
@@ -175,7 +180,7 @@ def reference_step(run, step, reference_model=None):
             logged_loss = loss.item()
         if args.beta > 0:
             with torch.no_grad():
-                reference_logps, _ = ref.token_logps(reference_model, *inputs, args.temperature, suppressed_ids(args))
+                reference_logps, _ = ref.token_logps(reference_model, *inputs, sampling_temperature(args), suppressed_ids(args))
             ratio = torch.exp(logps - old) if args.use_bias_correction_kl else None
             kl = ref.kl(logps, reference_logps, mask, ratio)
             loss = loss + args.beta * kl
@@ -256,6 +261,66 @@ def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, t
     if settings.get("mask_truncated_completions"):
         completions = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
         assert not completions.any(1).all(), "the run must have invalid members to test"
+
+
+@pytest.mark.parametrize("loss_type", ["tpo", "grpo"])
+def test_a_generation_kwargs_temperature_is_the_one_rollouts_and_every_log_prob_use(
+    tmp_path, tokenizer, monkeypatch, loss_type
+):
+    """generation_kwargs={"temperature": 0.5} with the field at its default: rollouts sample at 0.5, and the token
+    log-probs, p_old, q, the ratios (a second epoch) and so every gradient are those at 0.5, built by hand."""
+    generation_kwargs = {**few_letters(tokenizer), "temperature": 0.5}
+    run = train_and_record(
+        tmp_path, tokenizer, monkeypatch, loss_type=loss_type, max_steps=2, num_iterations=2, learning_rate=5.0,
+        generation_kwargs=generation_kwargs,
+    )
+    trainer = run.trainer
+    assert trainer.args.temperature == 1.0 and trainer.sampling.temperature == 0.5
+    assert trainer.rollout_backend.generation_config.temperature == 0.5  # what model.generate samples with
+    for step in range(trainer.state.global_step):
+        assert_step_matches(run, step, reference_step(run, step))
+    # The check can tell the temperatures apart: at 1.0 the same rollout's log-probs differ.
+    model, tensors = run.rollouts[0]
+    inputs = [tensors[key] for key in ROLLOUT_TENSORS[:4]]
+    with torch.no_grad():
+        at_half, _ = ref.token_logps(model, *inputs, 0.5, suppressed_ids(trainer.args))
+        at_one, _ = ref.token_logps(model, *inputs, 1.0, suppressed_ids(trainer.args))
+        trainer_logps, _ = trainer._token_logps(model, {key: tensors[key] for key in ROLLOUT_TENSORS[:4]})
+    mask = tensors["completion_mask"].bool()
+    torch.testing.assert_close(trainer_logps[mask], at_half[mask], atol=1e-5, rtol=1e-5)
+    assert (at_half - at_one)[mask].abs().max() > 0.05
+
+
+@pytest.mark.parametrize(
+    "reshaping, masks_negative_rows",
+    [({}, True), ({"top_k": 3}, False), ({"no_repeat_ngram_size": 2}, False)],
+    ids=["tempered", "top_k", "no_repeat_ngram_size"],
+)
+def test_the_off_policy_mask_measures_from_vllms_log_probs_only_where_they_describe_the_trainers_distribution(
+    tmp_path, tokenizer, reshaping, masks_negative_rows
+):
+    """Under top-k (or any reshaping, here given through generation_kwargs) vLLM reports each sampled token's log-prob
+    in the reshaped distribution: above the trainer's by the log of the mass cut away. The mask then measures how far
+    the policy moved from the trainer's own rollout-time log-probs, as the importance weights are switched off: an
+    on-policy completion is kept whatever its advantage. The engine's log-probs are set by hand, as such an engine
+    reports them (the real engine is in test_vllm.py)."""
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    args = make_config(tmp_path, off_policy_mask_threshold=0.1, generation_kwargs={**few_letters(tokenizer), **reshaping})
+    trainer = TargetPOTrainer(
+        model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
+    )
+    assert trainer.sampling.reshapes_distribution == bool(reshaping)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert "old_per_token_logps" not in batch  # one step per rollout: the policy is the rollout's
+    mask = batch["completion_mask"].float()
+    logps, entropies = trainer._token_logps(trainer.model, batch)
+    batch["sampler_per_token_logps"] = (logps.detach() + 0.5) * mask  # a kept mass of exp(-0.5) at every token
+    keep = trainer._trained_token_weights(logps, entropies, batch, mask)
+    negative = batch["advantages"] < 0
+    assert negative.any() and (~negative).any()
+    expected = (~negative | (mask.sum(1) == 0)).float() if masks_negative_rows else torch.ones(len(negative))
+    torch.testing.assert_close(keep.squeeze(1), expected)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from vllm_serve import free_port
 from vllm_workers import make_trainer, server_config, vllm_config
 
 from targetpo import TargetPOTrainer
-from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
+from targetpo.demo import binary_only_generation_kwargs, build_tiny_causal_lm, reverse_task_tokenizer
 from targetpo.generation import SamplingSettings, pad_completions
 from targetpo.generation.vllm_backend import export_for_engine
 from targetpo.modeling import merged_adapters
@@ -461,6 +461,40 @@ def test_colocate_engine_follows_a_regular_expression(tmp_path):
     trainer.train()
     assert len(seen) == 64
     assert all(re.fullmatch("(10)+", text) for text in seen), seen
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_colocate_engine_samples_with_the_generation_kwargs_the_trainers_log_probs_use(tmp_path):
+    """temperature and top_k given through generation_kwargs: the engine's SamplingParams carry them, the
+    importance-sampling correction is switched off naming top_k, and the engine's log-prob of each sampled token
+    equals the trainer's at temperature 0.5 (top_k=2 keeps both allowed tokens, so the two describe one
+    distribution), not at the field's 1.0."""
+    from targetpo.generation.vllm_backend import make_sampling_params
+
+    tokenizer = reverse_task_tokenizer()
+    generation_kwargs = {**binary_only_generation_kwargs(tokenizer), "temperature": 0.5, "top_k": 2}
+    args = reverse_config(tmp_path, vllm_mode="colocate", generation_kwargs=generation_kwargs, max_steps=1)
+    with pytest.warns(UserWarning, match=r"correction is switched off: sampling is reshaped by generation_kwargs\['top_k'\]"):
+        trainer = make_trainer(args)
+    try:
+        assert not trainer._importance_sampling
+        params = make_sampling_params(trainer.rollout_backend.fields, seed=0)
+        assert params.temperature == 0.5 and params.top_k == 2 and params.max_tokens == 6
+        trainer.model.train()
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        mask = batch["completion_mask"].bool()
+        with torch.no_grad():
+            logps, _ = trainer._token_logps(trainer.model, batch)
+            inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+            suppressed = generation_kwargs["suppress_tokens"]
+            at_one, _ = ref.token_logps(trainer.model, *inputs, 1.0, suppressed)
+        engine = batch["sampler_per_token_logps"]
+        torch.testing.assert_close(engine[mask], logps[mask], atol=1e-4, rtol=1e-4)
+        assert (engine - at_one)[mask].abs().max() > 0.05
+    finally:
+        trainer.rollout_backend.close()
 
 
 def test_colocate_mode_refuses_vllms_transformers_implementation(tmp_path):
