@@ -63,7 +63,11 @@ HUB = [block for block in BLOCKS if block.mark == "hub"]
 
 
 def find(blocks, *needles):
-    return next(block for block in blocks if all(needle in block.code for needle in needles))
+    """The first of ``blocks`` whose code holds every needle."""
+    for block in blocks:
+        if all(needle in block.code for needle in needles):
+            return block
+    raise LookupError(f"No docs example of this mark holds {needles}: was it removed, or its mark?")
 
 
 def test_every_example_that_trains_is_marked_runnable_or_needing_the_hub():
@@ -221,7 +225,7 @@ def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(
 ):
     hub = block.mark == "hub"
     write_guess = (lambda number: hermes_call("guess", number=number)) if hub else str
-    settings = HUB_SETTINGS if hub else {}
+    settings = {**(HUB_SETTINGS if hub else {}), "log_completions": True, "num_completions_to_print": 1}
     namespace, games = run_block(
         block, monkeypatch, tmp_path, stand_in if hub else None, halving_policy(write_guess), **settings
     )
@@ -235,3 +239,8 @@ def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(
     assert logs["rewards/GuessingGame/mean"] == pytest.approx(sum(game.found for game in games) / rows)
     assert logs["tools/call_frequency"] == pytest.approx(sum(calls) / rows)
     assert logs["tools/failure_frequency"] == 0
+    # Each sample's reward is its own game's: 1 exactly when its conversation shows the answer "=".
+    table = trainer._completion_table
+    assert len(table.completions) == rows
+    for conversation, reward in zip(table.completions, table.total_rewards):
+        assert reward == float("tool guess: =" in conversation), conversation
