@@ -3,6 +3,8 @@
 The task is the paper's terminal-reward one: reverse a binary string of length H. A completion earns 1 only when it is
 exactly the reversed string, so a random policy succeeds with probability 2**-H and most groups carry no signal.
 Only '0' and '1' may be emitted (:func:`binary_only_generation_kwargs`), so every completion has exactly H tokens.
+The multi-turn pieces: the guessing game (an environment whose tool the model calls) and a tokenizer whose chat
+template renders plain tool functions and their calls (docs/multi_turn.md's offline examples).
 
 Everything is built locally from a config: nothing is downloaded.
 """
@@ -177,3 +179,24 @@ def digits_only_generation_kwargs(tokenizer: PreTrainedTokenizerFast) -> dict[st
     """Generation settings that let the model write only the game's digits and <eos>."""
     allowed = {tokenizer.convert_tokens_to_ids(digit) for digit in GUESS_DIGITS} | {tokenizer.eos_token_id}
     return {"suppress_tokens": [index for index in range(len(tokenizer)) if index not in allowed]}
+
+
+# ------------------------------------------------------------------------------------------------ plain tool calls
+#: The tools' names, then the messages; the model writes a call as Hermes-style JSON in <tool_call> tags, which
+#: targetpo reads without a response template of its own (as it does for models whose chat templates mark calls so).
+TOOL_CALLING_CHAT_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}<assistant>{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}</tool_call>{% endfor %}<eos>"
+    "{% else %}<{{ message.role }}>{{ message.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tool_calling_tokenizer() -> PreTrainedTokenizerFast:
+    """A character tokenizer with the role markers as tokens and a chat template that renders tools and their calls."""
+    tokenizer = build_char_tokenizer(PRINTABLE, chat_template=TOOL_CALLING_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
+    return tokenizer

@@ -1,8 +1,11 @@
-"""Human-readable views of a rollout: the completions table printed when ``log_completions`` is on."""
+"""Human-readable views of a rollout: the completions table printed when ``log_completions`` is on, and the same
+table logged to wandb and trackio and pushed to the Hub."""
 
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,7 @@ class RolloutTable:
     targets: list[float] = field(default_factory=list)  # q per completion; NaN until its step computes it
     extra: dict[str, list[Any]] = field(default_factory=dict)  # columns reward functions logged (log_extra)
     unique_prompts: bool = False  # write each prompt once, on its first completion's row
+    sent_to_trackers: bool = False  # logged to wandb/trackio already (once per rollout, at its first log)
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -68,11 +72,9 @@ def print_completions_table(table: RolloutTable, max_rows: int | None = None, co
     (console or Console()).print(view)
 
 
-def push_completions_table(table: RolloutTable, repo_id: str, private: bool | None = None, token: str | None = None):
-    """Push the table to a Hub dataset repository, as the split ``step_<step>`` (one split per logged step)."""
-    import datasets
-
-    columns = {
+def table_columns(table: RolloutTable) -> dict[str, list[Any]]:
+    """The table as named columns: step, prompt, completion, each reward, the total, q and the logged extras."""
+    return {
         "step": [table.step] * len(table.completions),
         "prompt": table.prompts,
         "completion": table.completions,
@@ -81,4 +83,56 @@ def push_completions_table(table: RolloutTable, repo_id: str, private: bool | No
         "target_q": table.targets,
         **{name: [None if value is None else str(value) for value in values] for name, values in table.extra.items()},
     }
-    datasets.Dataset.from_dict(columns).push_to_hub(repo_id, split=f"step_{table.step}", private=private, token=token)
+
+
+def push_completions_table(table: RolloutTable, repo_id: str, private: bool | None = None, token: str | None = None):
+    """Push the table to a Hub dataset repository, as the split ``step_<step>`` (one split per logged step)."""
+    import datasets
+
+    datasets.Dataset.from_dict(table_columns(table)).push_to_hub(
+        repo_id, split=f"step_{table.step}", private=private, token=token
+    )
+
+
+#: Trackers that take the table, as transformers' ``report_to`` names them; each has ``Table`` and ``log``.
+TABLE_TRACKERS = ("wandb", "trackio")
+
+
+def log_completions_to_trackers(table: RolloutTable, report_to: list[str], global_step: int) -> list[str]:
+    """Log the table as ``completions`` to the runs of the trackers in ``report_to`` that take tables, beside the
+    metrics just logged at ``global_step``, once per rollout; return the trackers' names. Their runs are the ones
+    transformers' callbacks started; a tracker without a run in this process is skipped."""
+    if table.sent_to_trackers:
+        return []
+    table.sent_to_trackers = True
+    columns = table_columns(table)
+    names, rows = list(columns), [list(row) for row in zip(*columns.values())]
+    logged = []
+    for tracker in TABLE_TRACKERS:
+        run = _open_run(tracker) if tracker in report_to else None
+        if run is None:
+            continue
+        module = sys.modules[tracker]
+        completions = module.Table(columns=names, data=rows)
+        try:
+            if tracker == "wandb":  # its charts are keyed on train/global_step, as transformers logs them
+                module.log({"completions": completions, "train/global_step": global_step})
+            else:  # at the step the metrics took, so trackio's step counter stays one per log
+                last_step = getattr(run, "_next_step", None)
+                module.log({"completions": completions}, step=None if last_step is None else max(last_step - 1, 0))
+        except Exception as error:  # a tracker's hiccup must not end training
+            warnings.warn(f"Logging the completions table to {tracker} failed; training goes on: {error!r}")
+            continue
+        logged.append(tracker)
+    return logged
+
+
+def _open_run(tracker: str) -> Any:
+    """``tracker``'s run open in this process, if it is imported (its callback imports it) and has one."""
+    if tracker not in sys.modules:
+        return None
+    if tracker == "wandb":
+        return sys.modules["wandb"].run
+    from trackio.context_vars import current_run
+
+    return current_run.get()

@@ -103,7 +103,12 @@ from .multi_turn import (
     left_pad,
     with_environment_reward,
 )
-from .reporting import RolloutTable, print_completions_table, push_completions_table
+from .reporting import (
+    RolloutTable,
+    log_completions_to_trackers,
+    print_completions_table,
+    push_completions_table,
+)
 from .rewards import RewardFunc, RewardLogs, RewardScorer
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
@@ -1548,6 +1553,7 @@ class TargetPOTrainer(Trainer):
             and self.accelerator.is_main_process
         ):
             print_completions_table(self._completion_table, self.args.num_completions_to_print)
+            log_completions_to_trackers(self._completion_table, self.args.report_to or [], self.state.global_step)
             if (
                 self.args.log_completions_hub_repo is not None
                 and self._pushed_rollout != self._completion_table.rollout

