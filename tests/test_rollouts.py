@@ -11,7 +11,14 @@ from conftest import count_letters_reward, make_config
 
 from targetpo import TargetPOTrainer
 from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
-from targetpo.generation import Completions, RolloutBackend, pad_completions
+from targetpo.generation import (
+    Completions,
+    PendingCompletions,
+    RolloutBackend,
+    TransformersBackend,
+    completion_masks,
+    pad_completions,
+)
 from targetpo.generation.serve import serve_command
 
 
@@ -117,17 +124,119 @@ class Counting(RolloutBackend):
         self.closed += 1
 
 
-def test_a_backend_set_on_the_trainer_may_wrap_the_one_it_built_which_the_trainer_closes_when_training_ends(
-    tmp_path, tiny_model, tokenizer, prompt_dataset
+@pytest.fixture
+def closes(monkeypatch):
+    """Every close of a built TransformersBackend, in order (the real close still runs)."""
+    closed = []
+    original = TransformersBackend.close
+
+    def counting_close(self):
+        closed.append(self)
+        original(self)
+
+    monkeypatch.setattr(TransformersBackend, "close", counting_close)
+    return closed
+
+
+def test_one_built_backend_serves_train_and_evaluate_until_close_which_closes_it_once(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, closes
 ):
     trainer = TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
-                              train_dataset=prompt_dataset, processing_class=tokenizer)
-    built = Counting(trainer.rollout_backend)  # stands in for the built backend, to count its closes
-    trainer._rollout_backend = trainer._built_rollout_backend = built
+                              train_dataset=prompt_dataset, eval_dataset=prompt_dataset, processing_class=tokenizer)
+    built = trainer.rollout_backend
     wrapper = Counting(built)
     trainer.rollout_backend = wrapper
-    assert built.closed == 0  # still open: the wrapper generates through it
     trainer.train()
-    assert wrapper.calls == built.calls == 2  # one rollout per step, through the wrapper
-    assert built.closed == 1 and wrapper.closed == 0  # the trainer closes what it built, never what it was given
+    trainer.evaluate()
+    trainer.train()
+    # Every rollout went through the wrapper to `built`: 2 training steps, 8 prompts x 4 completions in evaluation
+    # batches of 8, 2 more steps.
+    assert wrapper.calls == 2 + 8 * 4 // 8 + 2
+    assert closes == [] and wrapper.closed == 0  # nothing was closed, or built a second time, in between
+    trainer.close()
+    trainer.close()
+    assert closes == [built] and wrapper.closed == 0  # the trainer closes what it built, once, never what it was given
     assert trainer.rollout_backend is wrapper
+
+
+def test_a_closed_trainer_builds_a_new_backend_and_a_with_block_closes_it(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, closes
+):
+    with TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
+                         eval_dataset=prompt_dataset, processing_class=tokenizer) as trainer:
+        first = trainer.rollout_backend
+        trainer.close()
+        trainer.evaluate()
+        second = trainer.rollout_backend
+        assert second is not first and closes == [first]
+    assert closes == [first, second]
+
+
+def test_the_built_backend_is_closed_when_the_trainer_is_collected(tmp_path, tiny_model, tokenizer, prompt_dataset,
+                                                                   closes):
+    import gc
+
+    trainer = TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
+                              eval_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.evaluate()
+    built = trainer.rollout_backend
+    del trainer
+    gc.collect()
+    assert closes == [built]
+
+
+AT_EXIT_SCRIPT = """
+import sys
+from datasets import Dataset
+from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+from targetpo.generation import TransformersBackend
+
+original = TransformersBackend.close
+def close(self):
+    print("closed", flush=True)
+    original(self)
+TransformersBackend.close = close
+
+tokenizer = build_char_tokenizer()
+trainer = TargetPOTrainer(
+    model=build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+    reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+    args=TargetPOConfig(output_dir=sys.argv[1], per_device_eval_batch_size=8, num_generations=4,
+                        max_completion_length=4, report_to="none", disable_tqdm=True),
+    eval_dataset=Dataset.from_dict({"prompt": ["Say a:", "Say b:"]}),
+    processing_class=tokenizer,
+)
+trainer.evaluate()
+print("evaluated", flush=True)
+sys.modules["__main__"].keep = trainer  # alive until the interpreter exits: only the exit can close it
+"""
+
+
+def test_an_evaluate_only_script_closes_its_backend_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", AT_EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["evaluated", "closed"], result.stdout[-3000:]
+
+
+def test_a_backend_that_implements_neither_generate_nor_start_is_refused_when_built():
+    class Neither(RolloutBackend):
+        def close(self):
+            pass
+
+    with pytest.raises(NotImplementedError, match="Neither overrides neither `generate` nor `start`"):
+        Neither()
+
+    class Started(Neither):  # either one is enough; a subclass inherits its parent's
+        def start(self, prompt_ids, prompt_mask, max_new_tokens=None, images=None):
+            return PendingCompletions(completion_masks(prompt_ids, [0]))
+
+    class Inherited(Started):
+        pass
+
+    ids = torch.tensor([[3, 4]])
+    assert torch.equal(Inherited().generate(ids, torch.ones_like(ids)).ids, ids)

@@ -148,12 +148,23 @@ class VLLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place (names as in the Hugging Face checkpoint), all in one reload: one
-        that got only part of a fused layer's weights (q without k and v) would fill the rest with garbage."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        that got only part of a fused layer's weights (q without k and v) would fill the rest with garbage.
+
+        An engine whose workers run in this process reads ``weights`` as they come (each tensor can be freed once
+        its layer is loaded); workers in other processes need them all at once, pickled."""
+        if not self._workers_in_process():
+            weights = list(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompt activations came from the old weights
         # So did cached image features. The reload empties the runner's encoder cache but not the scheduler's record
         # of it, which would then skip encoding an image it thinks is cached ("Encoder cache miss"): reset both.
         self.llm.llm_engine.reset_encoder_cache()
+
+    def _workers_in_process(self) -> bool:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # the in-process client's engine
+        return core is not None and isinstance(core.model_executor, UniProcExecutor)
 
     def sleep(self) -> None:
         if self.enable_sleep_mode and not self.asleep:
@@ -205,46 +216,76 @@ def _in_process_engine() -> Iterator[None]:
             os.environ[name] = saved
 
 
-def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights under Hugging Face checkpoint names, as an engine loads them (adapters merged in).
+def export_for_engine(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under Hugging Face checkpoint names, as an engine loads them (adapters merged in), one
+    tensor at a time: consume them as they come, so that only one merged weight is alive at once.
 
-    LoRA adapters are merged out of place (base weight + delta), so the model itself is never modified: merging and
-    unmerging in place once per step would let low-precision base weights, and with them the adapter-free reference,
-    drift by rounding. Other adapter types are merged in place and copied. Without adapters the tensors share
-    storage with the model: use them before the weights change.
+    LoRA adapters are merged out of place, one layer at a time (a copy of the base weight plus the delta, the same
+    arithmetic as PEFT's own merge), so the model itself is never modified: merging and unmerging in place once per
+    step would let low-precision base weights, and with them the adapter-free reference, drift by rounding. Other
+    adapters (and LoRA variants such as DoRA) are merged in place while the weights are read, and each is copied.
+    Without adapters the tensors share storage with the model: use them before the weights change.
     """
-    deltas = _lora_deltas(model)
-    if deltas is None:
+    merges = _lora_merges(model)
+    if merges is None:
         with merged_adapters(model):
-            return [(name, tensor.clone()) for name, tensor in _checkpoint_tensors(model, {})]
-    return _checkpoint_tensors(model, deltas)
+            for name, _, tensor in _checkpoint_tensors(model):
+                yield name, tensor.clone()
+        return
+    for name, source_name, tensor in _checkpoint_tensors(model):
+        layer = merges.get(source_name)
+        yield name, tensor if layer is None else _merged_lora_weight(layer, tensor)
 
 
-def _lora_deltas(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """Each LoRA layer's merged delta keyed by its base weight's name; {} without adapters, None for other kinds."""
+def engine_weight_metadata(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Name, dtype and shape of each tensor :func:`export_for_engine` yields, in order, without merging any."""
+    return [(name, tensor.dtype, tuple(tensor.shape)) for name, _, tensor in _checkpoint_tensors(model)]
+
+
+def _lora_merges(model: nn.Module) -> dict[str, nn.Module] | None:
+    """Each plain LoRA layer with an active adapter, keyed by its base weight's name; {} without adapters, None when
+    some adapter cannot be merged out of place (another adapter type, a LoRA variant or bias, already merged)."""
     if not is_peft_model(model):
         return {}
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Embedding, Linear
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    deltas = {}
+    merges = {}
     for name, module in model.named_modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        if not isinstance(module, LoraLayer) or getattr(module, "merged", False):
+        if not isinstance(module, (Linear, Embedding)) or getattr(module, "merged", False):
             return None
-        active = [
-            adapter
-            for adapter in module.active_adapters
-            if adapter in module.lora_A or adapter in module.lora_embedding_A
-        ]
+        active = _active_lora_adapters(module)
+        variants, biases = getattr(module, "lora_variant", {}), getattr(module, "lora_bias", {})
+        if any(adapter in variants or biases.get(adapter, False) for adapter in active):
+            return None
         if active:
-            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(adapter) for adapter in active)
-    return deltas
+            merges[f"{name}.base_layer.weight"] = module
+    return merges
 
 
-def _checkpoint_tensors(model: nn.Module, deltas: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    weights = []
+def _active_lora_adapters(layer: nn.Module) -> list[str]:
+    return [
+        adapter for adapter in layer.active_adapters if adapter in layer.lora_A or adapter in layer.lora_embedding_A
+    ]
+
+
+def _merged_lora_weight(layer: nn.Module, base_weight: torch.Tensor) -> torch.Tensor:
+    """``base_weight`` with the layer's active LoRA deltas added, as PEFT's merge adds them, in a new tensor."""
+    from peft.tuners.lora import Embedding
+
+    merged = base_weight.detach().clone()
+    for adapter in _active_lora_adapters(layer):
+        delta = layer.get_delta_weight(adapter).detach()
+        # PEFT adds an embedding's delta in the weight's dtype, the others' in the delta's (rounded once).
+        merged += delta.to(merged.dtype) if isinstance(layer, Embedding) else delta
+        del delta  # freed before the next adapter's
+    return merged
+
+
+def _checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Checkpoint name, the model's own name and tensor of every weight an engine loads, in the model's order."""
     # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
     # state-dict hook would hand back shards even while the parameters are gathered for the push.
     tensors = list(model.named_parameters(remove_duplicate=False))
@@ -252,16 +293,12 @@ def _checkpoint_tensors(model: nn.Module, deltas: dict[str, torch.Tensor]) -> li
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
                 tensors.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
-    for name, tensor in tensors:
-        if "lora_" in name or ".original_module." in name:
+    for source_name, tensor in tensors:
+        if "lora_" in source_name or ".original_module." in source_name:
             continue
-        tensor = tensor.detach()
-        if name in deltas:
-            tensor = tensor + deltas[name].detach().to(tensor.dtype)
-        name = name.removeprefix("base_model.model.")
+        name = source_name.removeprefix("base_model.model.")
         name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        weights.append((name, tensor))
-    return weights
+        yield name, source_name, tensor.detach()
 
 
 class VLLMColocateBackend(RolloutBackend):
