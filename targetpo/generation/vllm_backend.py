@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..distributed import failures_reach_every_process
-from ..modeling import is_peft_model, merged_adapters
+from ..modeling import is_peft_model
 from .base import (
     Completions,
     PromptImages,
@@ -218,74 +218,64 @@ def _in_process_engine() -> Iterator[None]:
 
 def export_for_engine(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under Hugging Face checkpoint names, as an engine loads them (adapters merged in), one
-    tensor at a time: consume them as they come, so that only one merged weight is alive at once.
+    tensor at a time: consumed as they come, at most one adapted layer's merged copy is alive at once.
 
-    LoRA adapters are merged out of place, one layer at a time (a copy of the base weight plus the delta, the same
-    arithmetic as PEFT's own merge), so the model itself is never modified: merging and unmerging in place once per
-    step would let low-precision base weights, and with them the adapter-free reference, drift by rounding. Other
-    adapters (and LoRA variants such as DoRA) are merged in place while the weights are read, and each is copied.
-    Without adapters the tensors share storage with the model: use them before the weights change.
+    Each adapted layer is merged by PEFT itself (its own ``merge``, so the values are exactly those of
+    ``merge_and_unload``), copied, and restored bit for bit from a copy of its base weights: unmerging would let
+    low-precision base weights, and with them the adapter-free reference, drift by rounding once per step. Other
+    tensors share storage with the model: use them before the weights change.
     """
-    merges = _lora_merges(model)
-    if merges is None:
-        with merged_adapters(model):
-            for name, _, tensor in _checkpoint_tensors(model):
-                yield name, tensor.clone()
-        return
-    for name, source_name, tensor in _checkpoint_tensors(model):
-        layer = merges.get(source_name)
-        yield name, tensor if layer is None else _merged_lora_weight(layer, tensor)
+    adapted = _adapted_base_tensors(model)
+    layer, merged = None, {}  # the adapted layer being exported, and its merged copies not yet handed over
+    for name, tensor in _checkpoint_tensors(model):
+        owner = adapted.get(id(tensor))  # by identity: a weight tied to an adapted one (lm_head) is merged too
+        if owner is None:
+            yield name, tensor.detach()
+            continue
+        if owner is not layer or id(tensor) not in merged:
+            layer, merged = None, {}  # the previous layer's copies go before the next layer's are made
+            layer, merged = owner, _merged_copies(owner)
+        yield name, merged.pop(id(tensor))
 
 
 def engine_weight_metadata(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """Name, dtype and shape of each tensor :func:`export_for_engine` yields, in order, without merging any."""
-    return [(name, tensor.dtype, tuple(tensor.shape)) for name, _, tensor in _checkpoint_tensors(model)]
+    return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in _checkpoint_tensors(model)]
 
 
-def _lora_merges(model: nn.Module) -> dict[str, nn.Module] | None:
-    """Each plain LoRA layer with an active adapter, keyed by its base weight's name; {} without adapters, None when
-    some adapter cannot be merged out of place (another adapter type, a LoRA variant or bias, already merged)."""
+def _adapted_base_tensors(model: nn.Module) -> dict[int, nn.Module]:
+    """The adapter layer (PEFT's tuner layer) of each base tensor an adapter changes when merged, keyed by the
+    tensor's ``id``; empty for a model without adapters."""
     if not is_peft_model(model):
         return {}
-    from peft.tuners.lora import Embedding, Linear
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    merges = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        if not isinstance(module, (Linear, Embedding)) or getattr(module, "merged", False):
-            return None
-        active = _active_lora_adapters(module)
-        variants, biases = getattr(module, "lora_variant", {}), getattr(module, "lora_bias", {})
-        if any(adapter in variants or biases.get(adapter, False) for adapter in active):
-            return None
-        if active:
-            merges[f"{name}.base_layer.weight"] = module
-    return merges
+    adapted = {}
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer) and module.active_adapters:
+            for tensor in module.get_base_layer().parameters(recurse=False):
+                adapted[id(tensor)] = module
+    return adapted
 
 
-def _active_lora_adapters(layer: nn.Module) -> list[str]:
-    return [
-        adapter for adapter in layer.active_adapters if adapter in layer.lora_A or adapter in layer.lora_embedding_A
-    ]
+@torch.no_grad()
+def _merged_copies(layer: nn.Module) -> dict[int, torch.Tensor]:
+    """Copies of ``layer``'s base tensors with its active adapters merged in, keyed by each tensor's ``id``; the
+    layer itself is left exactly as it was."""
+    tensors = list(layer.get_base_layer().parameters(recurse=False))
+    saved = [tensor.detach().clone() for tensor in tensors]
+    merged_before = list(layer.merged_adapters)
+    try:
+        layer.merge()
+        return {id(tensor): tensor.detach().clone() for tensor in tensors}
+    finally:
+        for tensor, original in zip(tensors, saved):
+            tensor.copy_(original)
+        layer.merged_adapters[:] = merged_before
 
 
-def _merged_lora_weight(layer: nn.Module, base_weight: torch.Tensor) -> torch.Tensor:
-    """``base_weight`` with the layer's active LoRA deltas added, as PEFT's merge adds them, in a new tensor."""
-    from peft.tuners.lora import Embedding
-
-    merged = base_weight.detach().clone()
-    for adapter in _active_lora_adapters(layer):
-        delta = layer.get_delta_weight(adapter).detach()
-        # PEFT adds an embedding's delta in the weight's dtype, the others' in the delta's (rounded once).
-        merged += delta.to(merged.dtype) if isinstance(layer, Embedding) else delta
-        del delta  # freed before the next adapter's
-    return merged
-
-
-def _checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Checkpoint name, the model's own name and tensor of every weight an engine loads, in the model's order."""
+def _checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint name and tensor (the model's own) of every weight an engine loads, in the model's order."""
     # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
     # state-dict hook would hand back shards even while the parameters are gathered for the push.
     tensors = list(model.named_parameters(remove_duplicate=False))
@@ -298,7 +288,7 @@ def _checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tens
             continue
         name = source_name.removeprefix("base_model.model.")
         name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        yield name, source_name, tensor.detach()
+        yield name, tensor
 
 
 class VLLMColocateBackend(RolloutBackend):
