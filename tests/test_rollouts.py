@@ -4,10 +4,12 @@ rollouts, their settings, and the `vllm serve` command line."""
 import importlib.metadata
 import importlib.util
 import json
+import time
 
 import pytest
 import torch
 from conftest import count_letters_reward, make_config
+from datasets import Dataset
 
 from targetpo import TargetPOTrainer
 from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
@@ -240,3 +242,104 @@ def test_a_backend_that_implements_neither_generate_nor_start_is_refused_when_bu
 
     ids = torch.tensor([[3, 4]])
     assert torch.equal(Inherited().generate(ids, torch.ones_like(ids)).ids, ids)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+GENERATE_S, PUSH_S = 0.1, 1.0
+
+
+class Paced(RolloutBackend):
+    """Another backend's completions after ``GENERATE_S`` seconds per call, and a weight push that takes ``PUSH_S``:
+    an engine whose generation and weight push take known times."""
+
+    holds_weights = True
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.pushes = inner, 0, 0
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
+        time.sleep(GENERATE_S)
+        self.calls += 1
+        return self.inner.generate(prompt_ids, prompt_mask, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}))
+
+    def sync_weights(self, model, version):
+        time.sleep(PUSH_S)
+        self.pushes += 1
+
+
+def paced_single_turn(tmp_path):
+    from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+
+    tokenizer = build_char_tokenizer()
+    return TargetPOTrainer(
+        model=build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+        reward_funcs=count_letters_reward, args=make_config(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": [f"Say {word}:" for word in ["cat", "dog", "sun", "map"]]}),
+        processing_class=tokenizer,
+    )
+
+
+def paced_multi_turn(tmp_path):
+    from multi_turn_workers import halving_search
+    from test_multi_turn import guessing_trainer
+
+    return guessing_trainer(tmp_path, halving_search)
+
+
+def paced_rollout_func(tmp_path):
+    from test_multi_turn import scripted_rollout
+
+    from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+
+    tokenizer = build_char_tokenizer()
+    script = scripted_rollout(tokenizer)
+
+    def rollout_func(prompts, trainer):
+        trainer.rollout_backend.calls += 1
+        time.sleep(GENERATE_S)  # the function's own generation
+        return script(prompts, trainer)
+
+    return TargetPOTrainer(
+        build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128),
+        count_letters_reward, args=make_config(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": ["p1", "p2", "p3", "p4"]}), processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
+
+
+@pytest.mark.parametrize("make_trainer", [paced_single_turn, paced_multi_turn, paced_rollout_func],
+                         ids=["single_turn", "multi_turn", "rollout_func"])
+def test_generation_wait_is_the_wait_for_completions_and_the_weight_push_is_timed_apart(tmp_path, make_trainer):
+    trainer = make_trainer(tmp_path)
+    trainer.rollout_backend = backend = Paced(trainer.rollout_backend)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and backend.pushes == 2  # one rollout and one push per step
+    waits = [entry["rollout/generation_wait_seconds"] for entry in logs]
+    # Every generate call's time is in the wait, none of the push's.
+    assert sum(waits) >= backend.calls * GENERATE_S
+    assert all(wait < PUSH_S for wait in waits), waits
+    assert all(entry["rollout/weight_sync_seconds"] >= PUSH_S for entry in logs)
+
+
+def test_buffered_metrics_stay_the_same_size_when_nothing_logs(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    import pickle
+
+    from transformers import TrainerCallback
+
+    sizes = []
+
+    class MetricSizes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            sizes.append({name: len(pickle.dumps(values)) for name, values in trainer._metrics["train"].items()})
+
+    trainer = TargetPOTrainer(
+        model=tiny_model, reward_funcs=count_letters_reward,
+        args=make_config(tmp_path, max_steps=6, logging_strategy="no", log_completions=True),
+        train_dataset=prompt_dataset, processing_class=tokenizer, callbacks=[MetricSizes()],
+    )
+    trainer.train()
+    assert len(sizes) == 6
+    for name in ("rollout/generation_wait_seconds", "completions/mean_length", "reward"):  # recorded every step
+        assert [step[name] for step in sizes[1:]] == [sizes[0][name]] * 5, name
+    assert len(trainer._completion_table.completions) == 8  # the latest rollout only
