@@ -176,7 +176,23 @@ def test_colocate_engine_holds_the_trainers_weights_at_every_rollout(tmp_path, u
     assert len(weights) == 3 and all(abs(weight - 1) < 1e-4 for weight in weights)
 
     assert final_check.checked
-    assert trainer._rollout_backend is None  # closed when training ended
+    assert_one_backend_serves_evaluation_until_close(trainer)
+    from vllm.distributed import parallel_state
+
+    engine = trainer._built_rollout_backend.engine
+    trainer.close()
+    assert engine.llm is None and parallel_state._WORLD is None  # the engine and its process groups are gone
+
+
+def assert_one_backend_serves_evaluation_until_close(trainer):
+    """After training, evaluation generates with the same backend (no second engine, connection or transfer group)."""
+    from targetpo.demo import reverse_task_dataset
+
+    backend = trainer.rollout_backend
+    transfer = getattr(backend, "_transfer", None)
+    metrics = trainer.evaluate(reverse_task_dataset(length=6, num_prompts=2, seed=1))
+    assert "eval_reward" in metrics
+    assert trainer.rollout_backend is backend and getattr(backend, "_transfer", None) is transfer
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -256,7 +272,17 @@ def test_server_mode_trains_through_vllm_serve_and_the_engine_holds_each_steps_w
     differences = logged(trainer, "vllm/logp_abs_diff")
     assert len(differences) == 3 and max(differences) < 1e-5
     assert logged(trainer, "rollout/staleness_max") == [0, 0, 0]
-    assert trainer._rollout_backend is None  # closed when training ended: the server is left serving, unpaused
+    assert_one_backend_serves_evaluation_until_close(trainer)
+    import threading
+
+    backend = trainer.rollout_backend
+    transfer = backend._transfer
+    assert transfer is not None and transfer.group is not None
+    trainer.close()
+    # The weight-transfer group, the connection and the rollout threads are gone; the server is left serving.
+    assert transfer.group is None and backend._transfer is None and backend.client is None
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("targetpo-rollouts")]
+    assert len(engine_greedy(served)([[3, 4, 5]])[0][0]) == GREEDY["max_tokens"]
 
 
 # More prompt tokens at once than vLLM schedules in one step (2048 by default), each request with its own seed, as every
