@@ -260,7 +260,8 @@ class Paced(RolloutBackend):
     def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
         time.sleep(GENERATE_S)
         self.calls += 1
-        return self.inner.generate(prompt_ids, prompt_mask, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}))
+        limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+        return self.inner.generate(prompt_ids, prompt_mask, **limit)
 
     def sync_weights(self, model, version):
         time.sleep(PUSH_S)

@@ -381,7 +381,7 @@ class VLLMServerBackend(RolloutBackend):
             try:
                 if self._executor is None:
                     raise RuntimeError(
-                        "This vLLM server backend was closed (training ended): give the trainer a new rollout "
+                        "This vLLM server backend was closed (`trainer.close()`): give the trainer a new rollout "
                         "backend, or let it build its own, before generating again."
                     )
                 future = self._executor.submit(
