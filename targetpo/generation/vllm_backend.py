@@ -95,6 +95,9 @@ class VLLMEngine:
             # Every request carries its own seed, and on the CPU a seeded request whose prefill is split over
             # scheduler steps kills the engine: keep prefills whole.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        # A trainer no longer referenced closes its engine when collected, which for objects in reference cycles
+        # waits for the cycle collector: run it now, so that such an engine is gone before this one is built.
+        gc.collect()
         # Whoever set up torch.distributed before the engine (the trainer's processes) keeps it after `close`.
         self._owns_distributed = not torch.distributed.is_initialized()
         with _in_process_engine():
