@@ -21,6 +21,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,6 +73,7 @@ from .generation import (
     RolloutBackend,
     SamplingSettings,
     build_rollout_backend,
+    close_at_exit,
     unpadded_prompts,
 )
 from .modeling import (
@@ -105,6 +107,7 @@ from .multi_turn import (
 )
 from .reporting import (
     RolloutTable,
+    RunningMean,
     log_completions_to_trackers,
     print_completions_table,
     push_completions_table,
@@ -371,6 +374,7 @@ class TargetPOTrainer(Trainer):
         self._sharded = shards_parameters(self.accelerator)
         self._rollout_backend: RolloutBackend | None = None  # the one rollouts use
         self._built_rollout_backend: RolloutBackend | None = None  # the one this trainer built, and closes
+        self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
         self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
         self._policy_gradient_settings = {
             "importance_sampling_level": args.importance_sampling_level,
@@ -444,7 +448,11 @@ class TargetPOTrainer(Trainer):
             self.add_callback(_PushWeightsWhileGenerating(self))
         self._buffer: list[Batch] | None = None
         self._rollout_count = 0
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # Each metric's values since the last log, as a running mean (bounded when nothing logs).
+        self._metrics: dict[str, dict[str, RunningMean]] = {
+            "train": defaultdict(RunningMean),
+            "eval": defaultdict(RunningMean),
+        }
         self._completion_table: RolloutTable | None = None
         self._pushed_rollout: int | None = None  # the last rollout pushed to log_completions_hub_repo
         self._warned_unscored = False
@@ -454,7 +462,8 @@ class TargetPOTrainer(Trainer):
 
     @property
     def rollout_backend(self) -> RolloutBackend:
-        """How rollouts are generated (``generation/``): built on first use, closed when training ends."""
+        """How rollouts are generated (``generation/``): built once, on first use, and kept for every later
+        ``train()`` and ``evaluate()``; :meth:`close` releases it (so does the interpreter's exit)."""
         if self._rollout_backend is None:
             max_model_len = None
             if self._max_prompt_tokens is not None:
@@ -465,11 +474,14 @@ class TargetPOTrainer(Trainer):
                 self.accelerator,
                 self.accelerator.unwrap_model(self.model),
                 self.sampling,
-                self._generation_model,
+                _weak_method(self._generation_model),  # the backend, closed when the trainer goes, must not keep it
                 self._sharded,
                 max_model_len,
                 self._processor or self._tokenizer,
             )
+            # The finalizer holds the backend, not the trainer: it runs at `close()`, when the trainer is collected,
+            # or at the interpreter's exit, whichever comes first.
+            self._backend_closer = weakref.finalize(self, close_at_exit, self._built_rollout_backend)
             self._weights_version = None
         return self._rollout_backend
 
@@ -477,8 +489,7 @@ class TargetPOTrainer(Trainer):
     def rollout_backend(self, backend: RolloutBackend) -> None:
         """Generate with another backend (a :class:`~targetpo.generation.RolloutBackend`); its owner closes it.
 
-        The backend the trainer built stays open, so the new one may wrap it; the trainer closes it when training ends
-        (``trainer.rollout_backend.close()`` before replacing it frees it sooner)."""
+        The backend the trainer built stays open, so the new one may wrap it; :meth:`close` closes it."""
         self._rollout_backend = backend
         self._weights_version = None
 
@@ -588,20 +599,33 @@ class TargetPOTrainer(Trainer):
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._close_rollout_backend()
+            self._stop_generating()  # the backend stays up: `evaluate()` and another `train()` use it
 
-    def _close_rollout_backend(self) -> None:
-        """Stop any generation still under way and release the engine, its connections and helper processes."""
+    def close(self) -> None:
+        """Release the rollout backend this trainer built (a vLLM engine and its memory, a server connection and its
+        weight-transfer group, helper threads). Safe to call again; generating afterwards builds a new backend.
+        Called at the interpreter's exit too; ``with TargetPOTrainer(...) as trainer:`` calls it at the block's end."""
+        self._stop_generating()
+        built, self._built_rollout_backend = self._built_rollout_backend, None
+        closer, self._backend_closer = self._backend_closer, None
+        if closer is not None and closer.detach() is not None:  # never closed again at exit
+            built.close()
+            self._weights_version = None  # a backend that wrapped it holds no weights now either
+            if self._rollout_backend is built:
+                self._rollout_backend = None
+
+    def __enter__(self) -> TargetPOTrainer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _stop_generating(self) -> None:
+        """Cancel a rollout generated ahead that nothing will use, and stop the tools' event loop."""
         if self._upcoming is not None:
             self._upcoming.pending.cancel()
             self._upcoming = None
         self._async_runner.close()
-        built, self._built_rollout_backend = self._built_rollout_backend, None
-        if built is not None:
-            built.close()
-            self._weights_version = None  # a backend that wrapped it holds no weights now either
-            if self._rollout_backend is built:
-                self._rollout_backend = None  # built again if the trainer generates again
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _prepare_inputs(self, rows: list[dict[str, Any]]) -> Batch:
@@ -637,12 +661,12 @@ class TargetPOTrainer(Trainer):
                 prompts, encoded, images = self._encode_prompts_with_images(rows)
                 # The function gets each prompt's image parts holding the images themselves.
                 with_images = [with_image_objects(prompt, row) for prompt, row in zip(prompts, images.images)]
-                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(with_images)
+                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(with_images, mode)
                 with self._failures_reach_every_process("reading rollout_func's result"):
                     _check_rollout_func_prompts(encoded, prompt_ids, prompt_mask)
                 pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
             else:
-                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(prompts)
+                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(prompts, mode)
             columns.update(extra)
         elif self._tool_loop is not None:
             prompts, prompt_ids, prompt_mask, completions, conversations, environments, encoded = (
@@ -807,9 +831,9 @@ class TargetPOTrainer(Trainer):
         """This rollout's completions: the ones generated ahead for these prompts (and images), or generated now."""
         backend = self.rollout_backend
         pending = self._take_upcoming_rollout(prompt_ids, prompt_mask, images) if mode == "train" else None
-        started = time.perf_counter()
         if pending is None:
             self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
+        started = time.perf_counter()
         with self._failures_reach_every_process("generating the completions", local=not backend.collective):
             if pending is None:
                 pending = self._start_generating(prompt_ids, prompt_mask, images)
@@ -865,13 +889,17 @@ class TargetPOTrainer(Trainer):
     def _any_process(self, active: bool) -> bool:
         return bool(self.accelerator.gather(torch.tensor([active], device=self.accelerator.device)).any())
 
-    def _custom_rollout(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor, Completions, dict[str, list]]:
+    def _custom_rollout(
+        self, prompts: list[Any], mode: str
+    ) -> tuple[torch.Tensor, torch.Tensor, Completions, dict[str, list]]:
         """The rollout a user's ``rollout_func`` makes, checked: prompt ids and mask, completions, extra fields."""
         self._sync_rollout_weights()
         backend = self.rollout_backend
         # The function may generate with a collective backend itself, which a failure must not leave waiting.
+        started = time.perf_counter()
         with self._failures_reach_every_process("running rollout_func", local=not backend.collective):
             result = self.rollout_func(copy.deepcopy(prompts), self)
+        self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
         with self._failures_reach_every_process("reading rollout_func's result"):
             prompt_lists, completions, extra = custom_rollout_completions(
                 result,
@@ -896,9 +924,12 @@ class TargetPOTrainer(Trainer):
         backend = self.rollout_backend
         if not backend.holds_weights or self._weights_version == self.state.global_step:
             return
+        started = time.perf_counter()
         with self._generation_model() as model:
             backend.sync_weights(model, self.state.global_step)
         self._weights_version = self.state.global_step
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["rollout/weight_sync_seconds"].append(time.perf_counter() - started)
 
     def _start_upcoming_rollout(self, rows: list[dict[str, Any]]) -> None:
         """Start generating the next rollout (async_rollouts) from the rows it will hold."""
@@ -1540,7 +1571,7 @@ class TargetPOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        averaged = {name: sum(values) / len(values) for name, values in self._metrics[mode].items() if values}
+        averaged = {name: values.mean() for name, values in self._metrics[mode].items() if values.count}
         if mode == "eval":
             averaged = {f"{self._eval_metric_prefix}_{name}": value for name, value in averaged.items()}
         logs.update(averaged)  # in place: `evaluate()` returns this same dict
@@ -1565,6 +1596,12 @@ class TargetPOTrainer(Trainer):
                     private=self.args.hub_private_repo,
                     token=self.args.hub_token,
                 )
+
+
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, without keeping its object alive."""
+    reference = weakref.WeakMethod(method)
+    return lambda *args, **kwargs: reference()(*args, **kwargs)
 
 
 def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:

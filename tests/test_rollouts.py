@@ -4,14 +4,23 @@ rollouts, their settings, and the `vllm serve` command line."""
 import importlib.metadata
 import importlib.util
 import json
+import time
 
 import pytest
 import torch
 from conftest import count_letters_reward, make_config
+from datasets import Dataset
 
 from targetpo import TargetPOTrainer
 from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
-from targetpo.generation import Completions, RolloutBackend, pad_completions
+from targetpo.generation import (
+    Completions,
+    PendingCompletions,
+    RolloutBackend,
+    TransformersBackend,
+    completion_masks,
+    pad_completions,
+)
 from targetpo.generation.serve import serve_command
 
 
@@ -117,17 +126,221 @@ class Counting(RolloutBackend):
         self.closed += 1
 
 
-def test_a_backend_set_on_the_trainer_may_wrap_the_one_it_built_which_the_trainer_closes_when_training_ends(
-    tmp_path, tiny_model, tokenizer, prompt_dataset
+@pytest.fixture
+def closes(monkeypatch):
+    """Every close of a built TransformersBackend, in order (the real close still runs)."""
+    closed = []
+    original = TransformersBackend.close
+
+    def counting_close(self):
+        closed.append(self)
+        original(self)
+
+    monkeypatch.setattr(TransformersBackend, "close", counting_close)
+    return closed
+
+
+def test_one_built_backend_serves_train_and_evaluate_until_close_which_closes_it_once(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, closes
 ):
     trainer = TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
-                              train_dataset=prompt_dataset, processing_class=tokenizer)
-    built = Counting(trainer.rollout_backend)  # stands in for the built backend, to count its closes
-    trainer._rollout_backend = trainer._built_rollout_backend = built
+                              train_dataset=prompt_dataset, eval_dataset=prompt_dataset, processing_class=tokenizer)
+    built = trainer.rollout_backend
     wrapper = Counting(built)
     trainer.rollout_backend = wrapper
-    assert built.closed == 0  # still open: the wrapper generates through it
     trainer.train()
-    assert wrapper.calls == built.calls == 2  # one rollout per step, through the wrapper
-    assert built.closed == 1 and wrapper.closed == 0  # the trainer closes what it built, never what it was given
+    trainer.evaluate()
+    trainer.train()
+    # Every rollout went through the wrapper to `built`: 2 training steps, 8 prompts x 4 completions in evaluation
+    # batches of 8, 2 more steps.
+    assert wrapper.calls == 2 + 8 * 4 // 8 + 2
+    assert closes == [] and wrapper.closed == 0  # nothing was closed, or built a second time, in between
+    trainer.close()
+    trainer.close()
+    assert closes == [built] and wrapper.closed == 0  # the trainer closes what it built, once, never what it was given
     assert trainer.rollout_backend is wrapper
+
+
+def test_a_closed_trainer_builds_a_new_backend_and_a_with_block_closes_it(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, closes
+):
+    with TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
+                         eval_dataset=prompt_dataset, processing_class=tokenizer) as trainer:
+        first = trainer.rollout_backend
+        trainer.close()
+        trainer.evaluate()
+        second = trainer.rollout_backend
+        assert second is not first and closes == [first]
+    assert closes == [first, second]
+
+
+def test_the_built_backend_is_closed_when_the_trainer_is_collected(tmp_path, tiny_model, tokenizer, prompt_dataset,
+                                                                   closes):
+    import gc
+
+    trainer = TargetPOTrainer(model=tiny_model, reward_funcs=count_letters_reward, args=make_config(tmp_path),
+                              eval_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.evaluate()
+    built = trainer.rollout_backend
+    del trainer
+    gc.collect()
+    assert closes == [built]
+
+
+AT_EXIT_SCRIPT = """
+import sys
+from datasets import Dataset
+from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+from targetpo.generation import TransformersBackend
+
+original = TransformersBackend.close
+def close(self):
+    print("closed", flush=True)
+    original(self)
+TransformersBackend.close = close
+
+tokenizer = build_char_tokenizer()
+trainer = TargetPOTrainer(
+    model=build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+    reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+    args=TargetPOConfig(output_dir=sys.argv[1], per_device_eval_batch_size=8, num_generations=4,
+                        max_completion_length=4, report_to="none", disable_tqdm=True),
+    eval_dataset=Dataset.from_dict({"prompt": ["Say a:", "Say b:"]}),
+    processing_class=tokenizer,
+)
+trainer.evaluate()
+print("evaluated", flush=True)
+sys.modules["__main__"].keep = trainer  # alive until the interpreter exits: only the exit can close it
+"""
+
+
+def test_an_evaluate_only_script_closes_its_backend_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", AT_EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["evaluated", "closed"], result.stdout[-3000:]
+
+
+def test_a_backend_that_implements_neither_generate_nor_start_is_refused_when_built():
+    class Neither(RolloutBackend):
+        def close(self):
+            pass
+
+    with pytest.raises(NotImplementedError, match="Neither overrides neither `generate` nor `start`"):
+        Neither()
+
+    class Started(Neither):  # either one is enough; a subclass inherits its parent's
+        def start(self, prompt_ids, prompt_mask, max_new_tokens=None, images=None):
+            return PendingCompletions(completion_masks(prompt_ids, [0]))
+
+    class Inherited(Started):
+        pass
+
+    ids = torch.tensor([[3, 4]])
+    assert torch.equal(Inherited().generate(ids, torch.ones_like(ids)).ids, ids)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+GENERATE_S, PUSH_S = 0.1, 1.0
+
+
+class Paced(RolloutBackend):
+    """Another backend's completions after ``GENERATE_S`` seconds per call, and a weight push that takes ``PUSH_S``:
+    an engine whose generation and weight push take known times."""
+
+    holds_weights = True
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.pushes = inner, 0, 0
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
+        time.sleep(GENERATE_S)
+        self.calls += 1
+        limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+        return self.inner.generate(prompt_ids, prompt_mask, **limit)
+
+    def sync_weights(self, model, version):
+        time.sleep(PUSH_S)
+        self.pushes += 1
+
+
+def paced_single_turn(tmp_path):
+    from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+
+    tokenizer = build_char_tokenizer()
+    return TargetPOTrainer(
+        model=build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+        reward_funcs=count_letters_reward, args=make_config(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": [f"Say {word}:" for word in ["cat", "dog", "sun", "map"]]}),
+        processing_class=tokenizer,
+    )
+
+
+def paced_multi_turn(tmp_path):
+    from multi_turn_workers import halving_search
+    from test_multi_turn import guessing_trainer
+
+    return guessing_trainer(tmp_path, halving_search)
+
+
+def paced_rollout_func(tmp_path):
+    from test_multi_turn import scripted_rollout
+
+    from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+
+    tokenizer = build_char_tokenizer()
+    script = scripted_rollout(tokenizer)
+
+    def rollout_func(prompts, trainer):
+        trainer.rollout_backend.calls += 1
+        time.sleep(GENERATE_S)  # the function's own generation
+        return script(prompts, trainer)
+
+    return TargetPOTrainer(
+        build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128),
+        count_letters_reward, args=make_config(tmp_path),
+        train_dataset=Dataset.from_dict({"prompt": ["p1", "p2", "p3", "p4"]}), processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
+
+
+@pytest.mark.parametrize("make_trainer", [paced_single_turn, paced_multi_turn, paced_rollout_func],
+                         ids=["single_turn", "multi_turn", "rollout_func"])
+def test_generation_wait_is_the_wait_for_completions_and_the_weight_push_is_timed_apart(tmp_path, make_trainer):
+    trainer = make_trainer(tmp_path)
+    trainer.rollout_backend = backend = Paced(trainer.rollout_backend)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and backend.pushes == 2  # one rollout and one push per step
+    waits = [entry["rollout/generation_wait_seconds"] for entry in logs]
+    # Every generate call's time is in the wait, none of the push's.
+    assert sum(waits) >= backend.calls * GENERATE_S
+    assert all(wait < PUSH_S for wait in waits), waits
+    assert all(entry["rollout/weight_sync_seconds"] >= PUSH_S for entry in logs)
+
+
+def test_buffered_metrics_stay_the_same_size_when_nothing_logs(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    import pickle
+
+    from transformers import TrainerCallback
+
+    sizes = []
+
+    class MetricSizes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            sizes.append({name: len(pickle.dumps(values)) for name, values in trainer._metrics["train"].items()})
+
+    trainer = TargetPOTrainer(
+        model=tiny_model, reward_funcs=count_letters_reward,
+        args=make_config(tmp_path, max_steps=6, logging_strategy="no", log_completions=True),
+        train_dataset=prompt_dataset, processing_class=tokenizer, callbacks=[MetricSizes()],
+    )
+    trainer.train()
+    assert len(sizes) == 6
+    for name in ("rollout/generation_wait_seconds", "completions/mean_length", "reward"):  # recorded every step
+        assert [step[name] for step in sizes[1:]] == [sizes[0][name]] * 5, name
+    assert len(trainer._completion_table.completions) == 8  # the latest rollout only

@@ -101,30 +101,49 @@ def test_padded_engine_completions_mask_eos_and_truncation():
     assert torch.allclose(completions.sampler_logps, torch.tensor([[-0.1, -0.2, 0], [-0.3, -0.4, -0.5], [0, 0, 0]]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_engine_weights_of_a_lora_policy_are_the_merged_weights_and_leave_the_model_alone(dtype):
+def lora_policy(dtype, **lora_settings):
     from peft import LoraConfig, get_peft_model
 
-    tokenizer = reverse_task_tokenizer()
-    base_names = set(build_tiny_causal_lm(tokenizer, seed=0).state_dict())
-    policy = get_peft_model(
-        build_tiny_causal_lm(tokenizer, seed=0).to(dtype),
-        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
-    )
+    # Adapters on linear layers and on the embedding; PEFT keeps adapter weights in float32 beside a bf16 model.
+    settings = dict(r=4, target_modules=["q_proj", "v_proj", "embed_tokens"], init_lora_weights=False)
+    return get_peft_model(build_tiny_causal_lm(reverse_task_tokenizer(), seed=0).to(dtype),
+                          LoraConfig(**{**settings, **lora_settings}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", [{}, {"use_dora": True}], ids=["lora", "dora"])
+def test_engine_weights_of_a_lora_policy_are_exactly_peft_merge_and_unload_and_leave_the_model_alone(dtype, variant):
+    import copy
+
+    policy = lora_policy(dtype, **({"target_modules": ["q_proj", "v_proj"]} if variant else {}), **variant)
     before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
-    with merged_adapters(policy):  # the reference: PEFT's own merge
-        expected = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): tensor.clone()
-                    for name, tensor in policy.state_dict().items() if "lora_" not in name}
-    policy.load_state_dict(before)  # undo the in-place merge's rounding before exporting
+    expected = copy.deepcopy(policy).merge_and_unload().state_dict()  # the reference: PEFT's own merge, on a copy
 
     weights = dict(export_for_engine(policy))
-    assert set(weights) == base_names  # checkpoint names, no adapter tensors
+    assert set(weights) == set(expected)  # checkpoint names, no adapter tensors
     for name, tensor in weights.items():
-        assert torch.allclose(tensor.float(), expected[name].float(), atol=1e-6 if dtype == torch.float32 else 1e-2), name
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
     assert not torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], before[
         "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])  # the adapters are in
     # Exporting never touches the model: not one bit of any weight changed.
     assert all(torch.equal(tensor, before[name]) for name, tensor in policy.state_dict().items())
+
+
+def test_engine_weights_of_a_lora_policy_are_made_one_at_a_time():
+    import weakref
+
+    policy = lora_policy(torch.float32)
+    model_storages = {tensor.untyped_storage().data_ptr() for tensor in policy.state_dict().values()}
+    merged, earlier_alive = [], 0
+    for _, tensor in export_for_engine(policy):
+        # Merged copies handed over before this one, which the consumer has dropped: nothing else may hold them.
+        earlier_alive = max(earlier_alive, sum(reference() is not None for reference in merged))
+        if tensor.untyped_storage().data_ptr() not in model_storages:  # a merged copy, not the model's own tensor
+            merged.append(weakref.ref(tensor))
+        del tensor
+    # q and v of both layers (weights and biases), the embedding and the head tied to it.
+    assert len(merged) == 2 * 2 * 2 + 2
+    assert earlier_alive == 0
 
 
 # ------------------------------------------------------------------------------------------------ colocate
@@ -157,7 +176,23 @@ def test_colocate_engine_holds_the_trainers_weights_at_every_rollout(tmp_path, u
     assert len(weights) == 3 and all(abs(weight - 1) < 1e-4 for weight in weights)
 
     assert final_check.checked
-    assert trainer._rollout_backend is None  # closed when training ended
+    assert_one_backend_serves_evaluation_until_close(trainer)
+    from vllm.distributed import parallel_state
+
+    engine = trainer._built_rollout_backend.engine
+    trainer.close()
+    assert engine.llm is None and parallel_state._WORLD is None  # the engine and its process groups are gone
+
+
+def assert_one_backend_serves_evaluation_until_close(trainer):
+    """After training, evaluation generates with the same backend (no second engine, connection or transfer group)."""
+    from targetpo.demo import reverse_task_dataset
+
+    backend = trainer.rollout_backend
+    transfer = getattr(backend, "_transfer", None)
+    metrics = trainer.evaluate(reverse_task_dataset(length=6, num_prompts=2, seed=1))
+    assert "eval_reward" in metrics
+    assert trainer.rollout_backend is backend and getattr(backend, "_transfer", None) is transfer
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -237,7 +272,17 @@ def test_server_mode_trains_through_vllm_serve_and_the_engine_holds_each_steps_w
     differences = logged(trainer, "vllm/logp_abs_diff")
     assert len(differences) == 3 and max(differences) < 1e-5
     assert logged(trainer, "rollout/staleness_max") == [0, 0, 0]
-    assert trainer._rollout_backend is None  # closed when training ended: the server is left serving, unpaused
+    assert_one_backend_serves_evaluation_until_close(trainer)
+    import threading
+
+    backend = trainer.rollout_backend
+    transfer = backend._transfer
+    assert transfer is not None and transfer.group is not None
+    trainer.close()
+    # The weight-transfer group, the connection and the rollout threads are gone; the server is left serving.
+    assert transfer.group is None and backend._transfer is None and backend.client is None
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("targetpo-rollouts")]
+    assert len(engine_greedy(served)([[3, 4, 5]])[0][0]) == GREEDY["max_tokens"]
 
 
 # More prompt tokens at once than vLLM schedules in one step (2048 by default), each request with its own seed, as every

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,15 @@ class RolloutBackend:
     overlaps_training: bool = False
     takes_images: bool = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> RolloutBackend:
+        # Each default calls the other: a subclass with neither would recurse at its first rollout.
+        if cls.generate is RolloutBackend.generate and cls.start is RolloutBackend.start:
+            raise NotImplementedError(
+                f"{cls.__qualname__} overrides neither `generate` nor `start`: a RolloutBackend must implement one "
+                "of them (`generate` returns Completions, `start` returns PendingCompletions)."
+            )
+        return super().__new__(cls)
+
     def generate(
         self,
         prompt_ids: torch.Tensor,
@@ -203,6 +213,15 @@ class RolloutBackend:
 
     def close(self) -> None:
         """Release the engine, connections and helper processes."""
+
+
+def close_at_exit(backend: RolloutBackend) -> None:
+    """Close ``backend`` from a finalizer (garbage collection, interpreter exit): a failure there is a warning, since
+    nothing is left to raise it to."""
+    try:
+        backend.close()
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"Closing the rollout backend {type(backend).__name__} failed: {error!r}", stacklevel=1)
 
 
 def completion_masks(

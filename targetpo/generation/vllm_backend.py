@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..distributed import failures_reach_every_process
-from ..modeling import is_peft_model, merged_adapters
+from ..modeling import is_peft_model
 from .base import (
     Completions,
     PromptImages,
@@ -95,6 +95,9 @@ class VLLMEngine:
             # Every request carries its own seed, and on the CPU a seeded request whose prefill is split over
             # scheduler steps kills the engine: keep prefills whole.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        # A trainer no longer referenced closes its engine when collected, which for objects in reference cycles
+        # waits for the cycle collector: run it now, so that such an engine is gone before this one is built.
+        gc.collect()
         # Whoever set up torch.distributed before the engine (the trainer's processes) keeps it after `close`.
         self._owns_distributed = not torch.distributed.is_initialized()
         with _in_process_engine():
@@ -148,12 +151,23 @@ class VLLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place (names as in the Hugging Face checkpoint), all in one reload: one
-        that got only part of a fused layer's weights (q without k and v) would fill the rest with garbage."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        that got only part of a fused layer's weights (q without k and v) would fill the rest with garbage.
+
+        An engine whose workers run in this process reads ``weights`` as they come (each tensor can be freed once
+        its layer is loaded); workers in other processes need them all at once, pickled."""
+        if not self._workers_in_process():
+            weights = list(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompt activations came from the old weights
         # So did cached image features. The reload empties the runner's encoder cache but not the scheduler's record
         # of it, which would then skip encoding an image it thinks is cached ("Encoder cache miss"): reset both.
         self.llm.llm_engine.reset_encoder_cache()
+
+    def _workers_in_process(self) -> bool:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # the in-process client's engine
+        return core is not None and isinstance(core.model_executor, UniProcExecutor)
 
     def sleep(self) -> None:
         if self.enable_sleep_mode and not self.asleep:
@@ -205,46 +219,66 @@ def _in_process_engine() -> Iterator[None]:
             os.environ[name] = saved
 
 
-def export_for_engine(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights under Hugging Face checkpoint names, as an engine loads them (adapters merged in).
+def export_for_engine(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under Hugging Face checkpoint names, as an engine loads them (adapters merged in), one
+    tensor at a time: consumed as they come, at most one adapted layer's merged copy is alive at once.
 
-    LoRA adapters are merged out of place (base weight + delta), so the model itself is never modified: merging and
-    unmerging in place once per step would let low-precision base weights, and with them the adapter-free reference,
-    drift by rounding. Other adapter types are merged in place and copied. Without adapters the tensors share
-    storage with the model: use them before the weights change.
+    Each adapted layer is merged by PEFT itself (its own ``merge``, so the values are exactly those of
+    ``merge_and_unload``), copied, and restored bit for bit from a copy of its base weights: unmerging would let
+    low-precision base weights, and with them the adapter-free reference, drift by rounding once per step. Other
+    tensors share storage with the model: use them before the weights change.
     """
-    deltas = _lora_deltas(model)
-    if deltas is None:
-        with merged_adapters(model):
-            return [(name, tensor.clone()) for name, tensor in _checkpoint_tensors(model, {})]
-    return _checkpoint_tensors(model, deltas)
+    adapted = _adapted_base_tensors(model)
+    layer, merged = None, {}  # the adapted layer being exported, and its merged copies not yet handed over
+    for name, tensor in _checkpoint_tensors(model):
+        owner = adapted.get(id(tensor))  # by identity: a weight tied to an adapted one (lm_head) is merged too
+        if owner is None:
+            yield name, tensor.detach()
+            continue
+        if owner is not layer or id(tensor) not in merged:
+            layer, merged = None, {}  # the previous layer's copies go before the next layer's are made
+            layer, merged = owner, _merged_copies(owner)
+        yield name, merged.pop(id(tensor))
 
 
-def _lora_deltas(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """Each LoRA layer's merged delta keyed by its base weight's name; {} without adapters, None for other kinds."""
+def engine_weight_metadata(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Name, dtype and shape of each tensor :func:`export_for_engine` yields, in order, without merging any."""
+    return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in _checkpoint_tensors(model)]
+
+
+def _adapted_base_tensors(model: nn.Module) -> dict[int, nn.Module]:
+    """The adapter layer (PEFT's tuner layer) of each base tensor an adapter changes when merged, keyed by the
+    tensor's ``id``; empty for a model without adapters."""
     if not is_peft_model(model):
         return {}
-    from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    deltas = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        if not isinstance(module, LoraLayer) or getattr(module, "merged", False):
-            return None
-        active = [
-            adapter
-            for adapter in module.active_adapters
-            if adapter in module.lora_A or adapter in module.lora_embedding_A
-        ]
-        if active:
-            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(adapter) for adapter in active)
-    return deltas
+    adapted = {}
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer) and module.active_adapters:
+            for tensor in module.get_base_layer().parameters(recurse=False):
+                adapted[id(tensor)] = module
+    return adapted
 
 
-def _checkpoint_tensors(model: nn.Module, deltas: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    weights = []
+@torch.no_grad()
+def _merged_copies(layer: nn.Module) -> dict[int, torch.Tensor]:
+    """Copies of ``layer``'s base tensors with its active adapters merged in, keyed by each tensor's ``id``; the
+    layer itself is left exactly as it was."""
+    tensors = list(layer.get_base_layer().parameters(recurse=False))
+    saved = [tensor.detach().clone() for tensor in tensors]
+    merged_before = list(layer.merged_adapters)
+    try:
+        layer.merge()
+        return {id(tensor): tensor.detach().clone() for tensor in tensors}
+    finally:
+        for tensor, original in zip(tensors, saved):
+            tensor.copy_(original)
+        layer.merged_adapters[:] = merged_before
+
+
+def _checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint name and tensor (the model's own) of every weight an engine loads, in the model's order."""
     # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
     # state-dict hook would hand back shards even while the parameters are gathered for the push.
     tensors = list(model.named_parameters(remove_duplicate=False))
@@ -252,16 +286,12 @@ def _checkpoint_tensors(model: nn.Module, deltas: dict[str, torch.Tensor]) -> li
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
                 tensors.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
-    for name, tensor in tensors:
-        if "lora_" in name or ".original_module." in name:
+    for source_name, tensor in tensors:
+        if "lora_" in source_name or ".original_module." in source_name:
             continue
-        tensor = tensor.detach()
-        if name in deltas:
-            tensor = tensor + deltas[name].detach().to(tensor.dtype)
-        name = name.removeprefix("base_model.model.")
+        name = source_name.removeprefix("base_model.model.")
         name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        weights.append((name, tensor))
-    return weights
+        yield name, tensor
 
 
 class VLLMColocateBackend(RolloutBackend):

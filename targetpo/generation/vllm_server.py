@@ -38,7 +38,7 @@ from .base import (
     unpadded_prompts,
 )
 from .sampling import SamplingSettings
-from .vllm_backend import export_for_engine, make_sampling_params
+from .vllm_backend import engine_weight_metadata, export_for_engine, make_sampling_params
 
 #: How the trainer starts the server it talks to, for error messages.
 SERVE_HINT = "`targetpo-vllm-serve --model <the policy's model> --port <port>` (see docs/vllm.md)"
@@ -276,22 +276,22 @@ def _raise_for_status(response: httpx.Response, path: str) -> None:
 
 
 class _PolicyWeights:
-    """vLLM's ``WeightSource`` protocol over the policy's exported weights, refreshed before each push.
+    """vLLM's ``WeightSource`` protocol over the policy's weights while a push is under way.
 
-    The export (adapters merged, checkpoint names) is made once per push and read by both of the protocol's
-    channels: the metadata the receiver sizes its buffers from, and the tensors.
+    The metadata the receiver sizes its buffers from is read off the model; the tensors (adapters merged) are made
+    one at a time as the transfer sends them, so no second copy of the model is ever held.
     """
 
     def __init__(self) -> None:
-        self.weights: list[tuple[str, torch.Tensor]] = []
+        self.model: nn.Module | None = None
 
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer import ParamMeta
 
-        return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.weights]
+        return [ParamMeta(name, dtype, shape) for name, dtype, shape in engine_weight_metadata(self.model)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.weights)
+        return export_for_engine(self.model)
 
     def held_names(self) -> None:
         return None
@@ -381,7 +381,7 @@ class VLLMServerBackend(RolloutBackend):
             try:
                 if self._executor is None:
                     raise RuntimeError(
-                        "This vLLM server backend was closed (training ended): give the trainer a new rollout "
+                        "This vLLM server backend was closed (`trainer.close()`): give the trainer a new rollout "
                         "backend, or let it build its own, before generating again."
                     )
                 future = self._executor.submit(
@@ -411,10 +411,12 @@ class VLLMServerBackend(RolloutBackend):
         if generating:
             self.client.pause()
         try:
-            self._source.weights = export_for_engine(model)
+            self._source.model = model
             self.client.weight_version = str(version)  # tokens sampled from now on are labelled with it
-            self._transfer.send_weights()
-            self._source.weights = []
+            try:
+                self._transfer.send_weights()
+            finally:
+                self._source.model = None
             self.client.forget_cached_activations()
         finally:
             if generating:
