@@ -1,6 +1,7 @@
 """The rollout interface's pieces that need no engine: the result type, the look-ahead schedule of asynchronous
 rollouts, their settings, and the `vllm serve` command line."""
 
+import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -129,6 +130,7 @@ class Counting(RolloutBackend):
 @pytest.fixture
 def closes(monkeypatch):
     """Every close of a built TransformersBackend, in order (the real close still runs)."""
+    gc.collect()  # trainers that earlier tests left behind close their backends now, not during this test
     closed = []
     original = TransformersBackend.close
 
