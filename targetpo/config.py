@@ -56,8 +56,8 @@ class GRPOConfig(TrainingArguments):
         default=False,
         metadata={
             "help": "Compute the output head (policy and reference) in float32 while the rest of the model runs in "
-            "its own precision: more exact token log-probs under bf16. Needs an output head not tied to the input "
-            "embeddings."
+            "its own precision: more exact token log-probs under bf16. A head tied to the input embeddings keeps "
+            "sharing them in their dtype and casts them inside each forward pass."
         },
     )
     router_aux_loss_coef: float = field(

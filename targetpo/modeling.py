@@ -130,22 +130,38 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
     return reference.eval()
 
 
-def cast_output_head_to_fp32(model: nn.Module) -> None:
-    """Keep the output head's weights in float32 and feed it float32 hidden states; the rest keeps its precision.
+class Float32OutputHead(nn.Linear):
+    """A linear output head that computes in float32 from weights kept in their own dtype.
 
-    Its logits, and so the token log-probs, are then computed in float32 even when the model runs in bf16. A head
-    tied to the input embeddings is refused: casting it would cast the embeddings too.
+    ``cast_lm_head_to_fp32`` gives a head tied to the input embeddings this class: casting the shared weight would
+    cast the embeddings too, so the cast happens inside each forward pass, and the gradient reaches the shared weight
+    in its own dtype.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_output_head_to_fp32(model: nn.Module) -> None:
+    """Compute the output head in float32, feeding it float32 hidden states; the rest keeps its precision.
+
+    Its logits, and so the token log-probs, are then computed in float32 even when the model runs in bf16. An untied
+    head keeps float32 weights; a head tied to the input embeddings keeps sharing them in their dtype and becomes a
+    :class:`Float32OutputHead`.
     """
     base = model.get_base_model() if is_peft_model(model) else model
     head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError("cast_lm_head_to_fp32=True needs a model with an output head (`get_output_embeddings()`).")
     if embeddings is not None and head.weight is embeddings.weight:
-        raise ValueError(
-            "cast_lm_head_to_fp32=True needs an output head that is not tied to the input embeddings (the model's "
-            "config has tie_word_embeddings=True): casting it would cast the embeddings too. Set "
-            "cast_lm_head_to_fp32=False."
-        )
+        if type(head) is not nn.Linear:
+            raise ValueError(
+                f"cast_lm_head_to_fp32=True with an output head tied to the input embeddings needs a plain "
+                f"torch.nn.Linear head, got {type(head).__name__}. Set cast_lm_head_to_fp32=False."
+            )
+        head.__class__ = Float32OutputHead  # a class, not a patched forward, so copies (the reference) keep it
+        return
     head.float()
     head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
 
@@ -289,7 +305,7 @@ def liger_head_problem(model: nn.Module) -> str | None:
     if not supports_chunked_head(model):
         return "the model post-processes its logits after the output head"
     head = _output_head(model)
-    if type(head) is not nn.Linear:  # e.g. a LoRA-adapted or quantised head, whose forward the kernel would bypass
+    if type(head) not in (nn.Linear, Float32OutputHead):  # e.g. a LoRA-adapted or quantised head, which it would bypass
         return f"the output head is a {type(head).__name__}, not a plain torch.nn.Linear"
     return None
 
@@ -427,12 +443,14 @@ def _liger_head_logps(head: nn.Module, hidden_rows: torch.Tensor, token_rows: to
     """
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    bias = head.bias
-    hidden_rows = hidden_rows.to(head.weight.dtype)  # a float32 head (cast_lm_head_to_fp32) gets float32 inputs
+    weight, bias = head.weight, head.bias
+    if isinstance(head, Float32OutputHead):  # a tied head under cast_lm_head_to_fp32: float32 from the shared weight
+        weight, bias = weight.float(), None if bias is None else bias.float()
+    hidden_rows = hidden_rows.to(weight.dtype)  # a float32 head (cast_lm_head_to_fp32) gets float32 inputs
     if temperature != 1.0:  # (W h + b) / T == W (h / T) + b / T
         hidden_rows = hidden_rows / temperature
         bias = bias / temperature if bias is not None else None
-    losses = liger_fused_linear_cross_entropy(hidden_rows, head.weight, token_rows, bias=bias, reduction="none")
+    losses = liger_fused_linear_cross_entropy(hidden_rows, weight, token_rows, bias=bias, reduction="none")
     return -losses.float()
 
 

@@ -323,11 +323,53 @@ def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_pat
     assert (bf16[mask] - expected[mask]).abs().max() > 1e-4
 
 
-def test_cast_lm_head_to_fp32_refuses_a_tied_head(tmp_path, tiny_model, tokenizer, prompt_dataset):
-    with pytest.raises(ValueError, match="not tied to the input embeddings"):
-        TargetPOTrainer(tiny_model, lambda completions, **kw: [0.0] * len(completions),
-                        args=make_config(tmp_path, cast_lm_head_to_fp32=True), train_dataset=prompt_dataset,
-                        processing_class=tokenizer)
+def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf16_weight(
+    tmp_path, tokenizer, prompt_dataset
+):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    embeddings = model.model.embed_tokens.weight
+    reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
+    args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer),
+                       learning_rate=0.05)
+    trainer = TargetPOTrainer(model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    # The head still shares the embeddings, which keep their dtype; the reference's head is tied and cast the same way.
+    assert model.lm_head.weight is embeddings and embeddings.dtype == torch.bfloat16
+    reference = trainer.ref_model
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    assert reference.lm_head.weight.dtype == torch.bfloat16
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    start = batch["prompt_ids"].size(1) - 1
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_attention_mask"]], dim=1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=attention, position_ids=positions).last_hidden_state
+
+    def by_hand(logits):
+        logits = logits.clone()
+        logits[..., trainer._suppressed_token_ids] = float("-inf")
+        return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+    mask = batch["completion_attention_mask"].bool()
+    expected = by_hand(hidden[:, start:-1].float() @ embeddings.float().T)  # float32 from the bf16 values
+    for network in (trainer.model, reference):
+        logps, _ = trainer._token_logps(network, batch)
+        torch.testing.assert_close(logps[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    bf16 = by_hand((hidden[:, start:-1] @ embeddings.T).float())  # what a bf16 head would give: far off
+    assert (bf16[mask] - expected[mask]).abs().max() > 1e-4
+    # Training reaches the shared weight through the float32 head, and leaves it shared and bf16.
+    before = embeddings.detach().clone()
+    trainer.train()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16 and not torch.equal(before, model.lm_head.weight.detach())
 
 
 def tiny_moe(tokenizer):
