@@ -221,7 +221,15 @@ class TargetPOTrainer(Trainer):
             args = TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
         if isinstance(args, GRPOConfig) and not isinstance(args, TargetPOConfig):
             # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
-            # trains the GRPO-family loss it names on this trainer's rollouts.
+            # trains the GRPO-family loss it names on this trainer's rollouts; a script whose imports alone changed
+            # would believe it trains TPO, so say which loss trains.
+            if args.loss_type != "tpo":
+                warnings.warn(
+                    f"args is a GRPOConfig, so this trainer trains its loss_type={args.loss_type!r} (a GRPO-family "
+                    "policy-gradient loss), not TPO. For TPO, pass a TargetPOConfig (same fields, loss_type='tpo' by "
+                    "default) or set loss_type='tpo'.",
+                    stacklevel=2,
+                )
             args = TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
         if not isinstance(args, TargetPOConfig):
             raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -22,10 +23,11 @@ def test_a_grpo_config_trains_the_grpo_loss_it_names(tmp_path, tiny_model, token
         max_completion_length=4, max_prompt_length=64, epsilon_high=0.28, scale_rewards="batch", max_steps=1,
         logging_steps=1, save_strategy="no",
     )
-    trainer = TargetPOTrainer(
-        tiny_model, lambda completions, **kw: [float(sum(map(ord, c)) % 7) for c in completions], args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
-    )
+    reward = lambda completions, **kw: [float(sum(map(ord, c)) % 7) for c in completions]  # noqa: E731
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    # A script whose imports alone changed is told that it trains dapo, and how to train TPO.
+    with pytest.warns(UserWarning, match=r"GRPOConfig, so this trainer trains its loss_type='dapo'.*TargetPOConfig"):
+        trainer = TargetPOTrainer(tiny_model, reward, args=args, train_dataset=dataset, processing_class=tokenizer)
     assert type(trainer.args) is TargetPOConfig
     for f in dataclasses.fields(GRPOConfig):
         assert getattr(trainer.args, f.name) == getattr(args, f.name), f.name
@@ -33,6 +35,12 @@ def test_a_grpo_config_trains_the_grpo_loss_it_names(tmp_path, tiny_model, token
     trainer.train()
     logs = trainer.state.log_history[0]
     assert "clip_ratio/region_mean" in logs and "tpo/target_entropy" not in logs  # a clipped-surrogate step
+    # A GRPOConfig that asks for TPO trains TPO, and is not warned.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tpo = TargetPOTrainer(tiny_model, reward, args=dataclasses.replace(args, loss_type="tpo"),
+                              train_dataset=dataset, processing_class=tokenizer)
+    assert tpo.args.loss_type == "tpo" and not [w for w in caught if "GRPOConfig" in str(w.message)]
 
 
 def recorded_rewards(record):
