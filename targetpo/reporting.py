@@ -103,13 +103,26 @@ def table_columns(table: RolloutTable) -> dict[str, list[Any]]:
     }
 
 
-def push_completions_table(table: RolloutTable, repo_id: str, private: bool | None = None, token: str | None = None):
-    """Push the table to a Hub dataset repository, as the split ``step_<step>`` (one split per logged step)."""
+def push_completions_table(
+    table: RolloutTable, repo_id: str, private: bool | None = None, token: str | None = None
+) -> bool:
+    """Push the table to a Hub dataset repository, as the split ``step_<step>`` (one split per logged step); return
+    whether it was pushed. A failure (an outage, a rate limit, an expired token) is a warning, never the end of
+    training: the caller tries again at its next log."""
     import datasets
 
-    datasets.Dataset.from_dict(table_columns(table)).push_to_hub(
-        repo_id, split=f"step_{table.step}", private=private, token=token
-    )
+    try:
+        datasets.Dataset.from_dict(table_columns(table)).push_to_hub(
+            repo_id, split=f"step_{table.step}", private=private, token=token
+        )
+    except Exception as error:  # noqa: BLE001 - whatever breaks the push, the run it reports on goes on
+        warnings.warn(
+            f"Pushing the completions table of step {table.step} to log_completions_hub_repo={repo_id!r} failed "
+            f"({type(error).__name__}: {error}). Training goes on; the next log pushes the latest table.",
+            stacklevel=2,
+        )
+        return False
+    return True
 
 
 #: Trackers that take the table, as transformers' ``report_to`` names them; each has ``Table`` and ``log``.

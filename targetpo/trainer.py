@@ -1597,13 +1597,14 @@ class TargetPOTrainer(Trainer):
                 self.args.log_completions_hub_repo is not None
                 and self._pushed_rollout != self._completion_table.rollout
             ):
-                self._pushed_rollout = self._completion_table.rollout  # each rollout once, at its first log
-                push_completions_table(
+                pushed = push_completions_table(
                     self._completion_table,
                     self.args.log_completions_hub_repo,
                     private=self.args.hub_private_repo,
                     token=self.args.hub_token,
                 )
+                if pushed:  # each rollout once, at its first log; a failed push is tried again at the next log
+                    self._pushed_rollout = self._completion_table.rollout
 
 
 def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:

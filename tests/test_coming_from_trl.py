@@ -525,6 +525,39 @@ def test_log_completions_hub_repo_is_refused_offline_and_pushes_each_logged_tabl
     assert rows["reward"] == pytest.approx([float(len(c)) for c in rows["completion"]])
 
 
+def test_a_failed_completions_push_warns_and_the_next_log_pushes_the_latest_table(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch
+):
+    import datasets
+    import httpx
+    import huggingface_hub.constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    # The Hub cannot be reached here: at datasets' boundary the first push meets the error a rate-limited Hub raises,
+    # and later ones are recorded.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    pushed = []
+
+    def push_to_hub(self, repo, **kw):
+        if not pushed:
+            pushed.append(None)
+            request = httpx.Request("POST", "https://huggingface.co/api/datasets/me/completions/commit/main")
+            raise HfHubHTTPError("429 Too Many Requests", response=httpx.Response(429, request=request))
+        pushed.append((kw["split"], self.to_dict()["completion"]))
+
+    monkeypatch.setattr(datasets.Dataset, "push_to_hub", push_to_hub)
+    # Each rollout serves two logged steps: the first rollout's table fails at step 0 and is pushed at step 1.
+    args = make_config(tmp_path, log_completions=True, log_completions_hub_repo="me/completions", max_steps=4,
+                       steps_per_generation=2)
+    reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    trainer = TargetPOTrainer(tiny_model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    with pytest.warns(UserWarning, match=r"step 0 to log_completions_hub_repo='me/completions' failed.*429"):
+        trainer.train()
+    assert trainer.state.global_step == 4  # the failure ended nothing
+    assert [split for split, _ in pushed[1:]] == ["step_0", "step_2"]  # each rollout once, the failed one retried
+    assert pushed[-1][1] == trainer._completion_table.completions
+
+
 # ------------------------------------------------------------------------------------------------ streams and dicts
 def recording_reward(seen):
     def reward(prompts, completions, **kwargs):
