@@ -31,6 +31,25 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def unique_reward_names(names: Sequence[str]) -> list[str]:
+    """The names, each shared one numbered in order (``f, f`` -> ``f_1, f_2``), so each function logs on its own."""
+    counts = {name: names.count(name) for name in names}
+    taken = {name for name in names if counts[name] == 1}
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        if counts[name] == 1:
+            unique.append(name)
+            continue
+        number = seen.get(name, 0) + 1
+        while f"{name}_{number}" in taken:  # a function already named like that keeps its name
+            number += 1
+        seen[name] = number
+        taken.add(f"{name}_{number}")
+        unique.append(f"{name}_{number}")
+    return unique
+
+
 def _as_score(value: Any, name: str, index: int) -> float:
     """One returned value as a float (NaN for None), or a ValueError that names the function."""
     if value is None:
@@ -147,7 +166,7 @@ class RewardScorer:
                 )
             self.funcs.append(func)
             self.tokenizers.append(tokenizer)
-        self.names = [reward_name(func) for func in self.funcs]
+        self.names = unique_reward_names([reward_name(func) for func in self.funcs])
         # Fixed here: once prepared for a distributed engine a reward model may no longer be a PreTrainedModel.
         self.is_model = [isinstance(func, PreTrainedModel) for func in self.funcs]
 

@@ -10,7 +10,7 @@ from datasets import Dataset, IterableDataset
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from targetpo.data import RepeatSampler, is_conversational, render_prompts, validate_prompt_dataset
-from targetpo.rewards import RewardScorer, check_reward_output
+from targetpo.rewards import RewardScorer, check_reward_output, unique_reward_names
 
 
 # ------------------------------------------------------------------------------------------------ sampler
@@ -162,6 +162,23 @@ def test_scorer_passes_columns_and_state_and_weights_none():
     assert scores.shape == (3, 2) and math.isnan(scores[1, 0].item())
     assert scorer.names == ["first", "second"]
     assert torch.equal(scorer.weights, torch.tensor([2.0, 1.0]))
+
+
+def test_reward_functions_of_one_name_are_numbered_in_order(tokenizer):
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )
+    reward_model = Qwen2ForSequenceClassification(config)
+    funcs = [lambda completions, **kwargs: [1.0] * len(completions), count_letters_reward, reward_model]
+    funcs += [lambda completions, **kwargs: [2.0] * len(completions), reward_model]
+    scorer = RewardScorer(funcs, reward_processing_classes=[None, None, tokenizer, None, tokenizer])
+    assert scorer.names == [
+        "<lambda>_1", "count_letters_reward", "Qwen2ForSequenceClassification_1", "<lambda>_2",
+        "Qwen2ForSequenceClassification_2",
+    ]
+    # A function already named like a number keeps its name; the shared name skips it.
+    assert unique_reward_names(["f", "f_1", "f"]) == ["f_2", "f_1", "f_3"]
 
 
 @pytest.mark.parametrize(

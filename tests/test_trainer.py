@@ -89,6 +89,28 @@ def test_reward_model_path(tmp_path, tiny_model, tokenizer, prompt_dataset):
     assert not any(p.requires_grad for p in reward_model.parameters())
 
 
+def constant_score(completions, value, **kwargs):
+    return [value] * len(completions)
+
+
+def test_reward_functions_of_one_name_log_apart(tmp_path, tiny_model, tokenizer, prompt_dataset):
+    import functools
+
+    rewards = [functools.partial(constant_score, value=1.0), functools.partial(constant_score, value=3.0)]
+    args = make_config(tmp_path, max_steps=2, log_completions=True, num_completions_to_print=1)
+    trainer = TargetPOTrainer(tiny_model, rewards, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.train()
+    assert trainer.reward_scorer.names == ["constant_score_1", "constant_score_2"]
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2
+    for entry in logged:  # merged under one name, the two would log a mean of 2.0 and a std of 1.0
+        assert entry["rewards/constant_score_1/mean"] == 1.0 and entry["rewards/constant_score_1/std"] == 0.0
+        assert entry["rewards/constant_score_2/mean"] == 3.0 and entry["rewards/constant_score_2/std"] == 0.0
+        assert entry["reward"] == 4.0
+    table = trainer._completion_table
+    assert table.rewards == {"constant_score_1": [1.0] * 8, "constant_score_2": [3.0] * 8}
+
+
 def test_peft_trains_only_adapters(tmp_path, tiny_model, tokenizer, prompt_dataset):
     from peft import LoraConfig
 
