@@ -35,6 +35,7 @@ __all__ = [
     "off_policy_sequence_mask",
     "policy_gradient_loss",
     "policy_gradient_token_losses",
+    "quantile",
     "rollout_diagnostics",
     "rows_with_gradient",
     "scale_token_gradients",
@@ -359,8 +360,28 @@ def high_entropy_mask(
     pool = entropies.detach()[mask] if pool is None else pool.detach()
     if pool.numel() == 0:
         return torch.zeros_like(mask)
-    cut = torch.quantile(_as_float(pool), 1 - top_quantile)
+    cut = quantile(_as_float(pool), 1 - top_quantile)
     return mask & (entropies.detach() >= cut)
+
+
+def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q`` quantile of 1-D ``values``, interpolated linearly between order statistics as ``torch.quantile``
+    does by default, at any size (``torch.quantile`` refuses more than 2**24 values; a gathered pool exceeds that).
+
+    The rank ``q * (n - 1)`` is taken in float64, so it stays exact for any ``n``; on float64 values the result is
+    ``torch.quantile``'s bit for bit.
+    """
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"quantile needs a non-empty 1-D tensor, got shape {tuple(values.shape)}.")
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile needs q in [0, 1], got {q}.")
+    rank = q * (values.numel() - 1)
+    below = math.floor(rank)
+    lower = torch.kthvalue(values, below + 1).values  # kthvalue counts from 1
+    if rank == below:
+        return lower
+    upper = torch.kthvalue(values, below + 2).values
+    return torch.lerp(lower, upper, rank - below)
 
 
 def off_policy_sequence_mask(

@@ -221,6 +221,39 @@ def test_grpo_clipped_surrogate_closed_form():
     assert loss.item() == pytest.approx((-0.85 + 1.15) / 2, abs=1e-12)
 
 
+# ------------------------------------------------------------------------------------------------ quantile
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 100, 4097])
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.25, 1 / 3, 0.5, 0.8, 0.999, 1.0])
+def test_quantile_is_torch_quantile(size, q):
+    values = torch.randn(size, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
+    values[: size // 3] = values[size // 3 : 2 * (size // 3)]  # ties too
+    assert torch.equal(F.quantile(values, q), torch.quantile(values, q))
+    # On float32 it interpolates the same two order statistics, with a rank free of float32 rounding.
+    single = values.float()
+    expected = torch.quantile(single.double(), q).float()
+    assert torch.allclose(F.quantile(single, q), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_quantile_and_entropy_mask_beyond_torch_quantiles_limit():
+    import numpy as np
+
+    size, q = 2**24 + 7, 0.3
+    # Shuffled integers shifted so that the quantile, q * (size - 1) - shift, is a fraction near 0: every value is
+    # exact in float32 and a rank off by one would be off by 1.0.
+    shift = round(q * (size - 1))
+    values = (torch.randperm(size, generator=torch.Generator().manual_seed(0)) - shift).float()
+    exact = q * (size - 1) - shift  # torch.quantile raises "input tensor is too large" here
+    cut = F.quantile(values, q).item()
+    # numpy in float64 (on float32 data it takes the rank in float32 too: 5033166.6 becomes 5033167).
+    assert cut == pytest.approx(exact, abs=1e-6)
+    assert cut == pytest.approx(np.quantile(values.numpy().astype(np.float64), q), abs=1e-6)
+    assert F.quantile(values, 0.0).item() == -shift and F.quantile(values, 1.0).item() == size - 1 - shift
+    # The mask ranks a batch's entropies against such a pool: kept are those at or above the cut.
+    entropies = t([[-1.0, exact - 1e-3, exact + 1e-3, 5.0]], dtype=torch.float32)
+    kept = F.high_entropy_mask(entropies, torch.ones(1, 4), 1 - q, pool=values)
+    assert kept.tolist() == [[False, False, True, True]]
+
+
 # ------------------------------------------------------------------------------------------------ importance sampling
 def test_truncated_importance_weights_closed_form():
     trainer = t([[-1.0, -2.0, -0.1], [-3.0, -1.0, float("-inf")]])
