@@ -203,8 +203,8 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, pro
         return build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
 
     straight = TargetPOTrainer(
-        fresh(), letters_then_position_reward, args=make_config(tmp_path / "a", max_steps=4), train_dataset=prompt_dataset,
-        processing_class=tokenizer,
+        fresh(), letters_then_position_reward, args=make_config(tmp_path / "a", max_steps=4),
+        train_dataset=prompt_dataset, processing_class=tokenizer,
     )
     straight.train()
 
@@ -218,8 +218,8 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, pro
     assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "model.safetensors").exists()
 
     resumed = TargetPOTrainer(
-        fresh(), letters_then_position_reward, args=make_config(tmp_path / "c", max_steps=4), train_dataset=prompt_dataset,
-        processing_class=tokenizer,
+        fresh(), letters_then_position_reward, args=make_config(tmp_path / "c", max_steps=4),
+        train_dataset=prompt_dataset, processing_class=tokenizer,
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4
