@@ -46,6 +46,13 @@ def count_letters_reward(completions, **kwargs):
     return [float(text.count("a")) for text in texts]
 
 
+def letters_then_position_reward(completions, **kwargs):
+    """The number of letters 'a', plus the row's position over the batch size: scores differ within every group
+    whatever was sampled (integers apart by less than 1 cannot tie), so every group is informative and every step
+    trains, even when a random model writes no 'a'."""
+    return [score + index / len(completions) for index, score in enumerate(count_letters_reward(completions))]
+
+
 def length_reward(completions, **kwargs):
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [float(len(text)) for text in texts]
@@ -65,7 +72,8 @@ def make_config(tmp_path, **overrides):
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
-        seed=0,
+        # Another stream (TARGETPO_TEST_SEED=3) finds tests that lean on what a random model happens to sample.
+        seed=int(os.environ.get("TARGETPO_TEST_SEED", "0")),
     )
     settings.update(overrides)
     return TargetPOConfig(**settings)

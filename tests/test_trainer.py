@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import changed, count_letters_reward, length_reward, make_config, snapshot
+from conftest import changed, count_letters_reward, length_reward, letters_then_position_reward, make_config, snapshot
 from datasets import Dataset
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
@@ -58,7 +58,7 @@ def test_conversational_dataset_gets_message_completions(tmp_path, tiny_model, t
 
     def reward(completions, **kwargs):
         received.extend(completions)
-        return count_letters_reward(completions)
+        return letters_then_position_reward(completions)
 
     trainer = TargetPOTrainer(
         tiny_model, reward, args=make_config(tmp_path), train_dataset=chat_dataset, processing_class=tokenizer
@@ -117,7 +117,7 @@ def test_peft_trains_only_adapters(tmp_path, tiny_model, tokenizer, prompt_datas
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     args = make_config(tmp_path, beta=0.1)  # the reference is then the adapter-free base model
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer,
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer,
         peft_config=peft_config,
     )
     assert trainer.ref_model is None
@@ -136,7 +136,7 @@ def test_peft_trains_only_adapters(tmp_path, tiny_model, tokenizer, prompt_datas
 def test_kl_penalty_logs_kl_and_keeps_reference_frozen(tmp_path, tiny_model, tokenizer, prompt_dataset):
     args = make_config(tmp_path, beta=0.5, max_steps=3)
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     reference_before = snapshot(trainer.ref_model)
     policy_before = snapshot(tiny_model)
@@ -166,7 +166,7 @@ def test_single_use_rollout_makes_no_extra_forward(tmp_path, tiny_model, tokeniz
     recorder = _Recorder(monkeypatch)
     args = make_config(tmp_path, max_steps=3)
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     assert not trainer._needs_old_logps
     trainer.train()
@@ -177,7 +177,7 @@ def test_gradient_accumulation_over_a_rollout_needs_no_old_logps(tmp_path, tiny_
     recorder = _Recorder(monkeypatch)
     args = make_config(tmp_path, steps_per_generation=2, gradient_accumulation_steps=2, max_steps=2)
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     assert args.generation_batch_size == 16 and not trainer._needs_old_logps
     trainer.train()
@@ -201,7 +201,7 @@ def test_several_iterations_freeze_q_at_rollout(tmp_path, tiny_model, tokenizer,
     monkeypatch.setattr(F, "tpo_loss", recording_loss)
     args = make_config(tmp_path, num_iterations=2, max_steps=4, skip_zero_gradient_completions=False)
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     assert trainer._needs_old_logps
     trainer.train()
@@ -225,13 +225,13 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, pro
         return build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
 
     straight = TargetPOTrainer(
-        fresh(), count_letters_reward, args=make_config(tmp_path / "a", max_steps=4), train_dataset=prompt_dataset,
-        processing_class=tokenizer,
+        fresh(), letters_then_position_reward, args=make_config(tmp_path / "a", max_steps=4),
+        train_dataset=prompt_dataset, processing_class=tokenizer,
     )
     straight.train()
 
     first = TargetPOTrainer(
-        fresh(), count_letters_reward,
+        fresh(), letters_then_position_reward,
         args=make_config(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
         train_dataset=prompt_dataset, processing_class=tokenizer,
     )
@@ -240,8 +240,8 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, pro
     assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "model.safetensors").exists()
 
     resumed = TargetPOTrainer(
-        fresh(), count_letters_reward, args=make_config(tmp_path / "c", max_steps=4), train_dataset=prompt_dataset,
-        processing_class=tokenizer,
+        fresh(), letters_then_position_reward, args=make_config(tmp_path / "c", max_steps=4),
+        train_dataset=prompt_dataset, processing_class=tokenizer,
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4
@@ -266,7 +266,7 @@ def test_evaluation_logs_eval_metrics(tmp_path, tiny_model, tokenizer, prompt_da
 def test_grpo_baseline_loss_trains(tmp_path, tiny_model, tokenizer, prompt_dataset):
     args = make_config(tmp_path, loss_type="grpo", num_iterations=2, max_steps=2)
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     before = snapshot(tiny_model)
     trainer.train()
@@ -277,11 +277,11 @@ def test_grpo_baseline_loss_trains(tmp_path, tiny_model, tokenizer, prompt_datas
 def test_log_completions_prints_a_table(tmp_path, tiny_model, tokenizer, prompt_dataset, capsys):
     args = make_config(tmp_path, log_completions=True, num_completions_to_print=4, max_steps=1)
     trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     trainer.train()
     out = capsys.readouterr().out
-    assert "Completions at step" in out and "Target q" in out and "count_letters_reward" in out
+    assert "Completions at step" in out and "Target q" in out and "letters_then_position_reward" in out
     table = trainer._completion_table
     assert len(table.targets) == 8
     # A group gets its q when a step builds it; a group left out of the step (no gradient) shows none.
@@ -670,7 +670,7 @@ def test_bf16_weights_train_under_bf16_mixed_precision(tmp_path, tiny_model, tok
     model = tiny_model.to(torch.bfloat16)
     args = make_config(tmp_path, bf16=True, beta=beta, num_iterations=2, use_cpu=not torch.cuda.is_available())
     trainer = TargetPOTrainer(
-        model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
     before = snapshot(model)
     trainer.train()

@@ -15,6 +15,7 @@ import torch
 from conftest import make_config, snapshot
 from datasets import Dataset
 from PIL import Image
+from scripted_policies import script_one_bit_turns
 from vlm_models import build_tiny_idefics3, build_tiny_vlm
 
 from targetpo import TargetPOTrainer
@@ -438,13 +439,16 @@ class Flipper:
 
 def tool_calling_vlm(tmp_path, architecture, model, processor, environment=False, **overrides):
     """A trainer whose tiny VLM writes only bits and EOS, so its turns are calls of `flip`, on prompts with images:
-    `flip` as a tool, or as the tool of an environment whose reset adds the "=" the turns start after."""
+    `flip` as a tool, or as the tool of an environment whose reset adds the "=" the turns start after. Its weights
+    script each turn as one bit then EOS, so every sample calls the tool whatever the random stream."""
     tokenizer = processor.tokenizer
+    script_one_bit_turns(model, tokenizer)
     processor.chat_template = tokenizer.chat_template = bits_template(PLACEHOLDERS[architecture])
     tokenizer.response_template = BITS_RESPONSE_TEMPLATE
     allowed = {tokenizer.convert_tokens_to_ids(bit) for bit in "01"} | {tokenizer.eos_token_id}
     settings = dict(per_device_train_batch_size=4, num_generations=2, max_steps=2, max_completion_length=16,
-                    max_tool_calling_iterations=2, max_prompt_length=None, learning_rate=0.05,
+                    # Small enough that a few steps keep the script, large enough that weights a rollout missed show.
+                    max_tool_calling_iterations=2, max_prompt_length=None, learning_rate=0.003,
                     skip_zero_gradient_completions=False,
                     generation_kwargs={"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]})
     # With the environment, the image part is placed in the message: its reset text becomes one more part.
@@ -508,7 +512,7 @@ def test_tool_calling_rollouts_carry_the_images_into_every_turn_and_the_training
     rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
     trainer.model.train()
     batch = trainer._rollout(rows, mode="train")
-    assert len(turns) > 1, "no sample called a tool"
+    assert len(turns) == 3, "each turn is scripted as a call: two rounds of calls, then a third turn"
     # Every turn brought each continued sample's own pixels, and per-token extras as wide as its ids.
     row_of = {id(row["image"]): index for index, row in enumerate(rows)}
     for ids, images in turns:
@@ -548,7 +552,8 @@ def test_tool_calling_rollouts_on_a_colocated_vllm_engine_sample_every_turn_from
     trainer.train()
     history = trainer.state.log_history
     rollouts = [entry for entry in history if "multi_turn/turns_per_sample" in entry]
-    assert len(rollouts) == 3 and all(entry["multi_turn/turns_per_sample"] > 1 for entry in rollouts)
+    # Each turn is scripted as a call, so every sample takes both rounds of calls and a third turn.
+    assert len(rollouts) == 3 and all(entry["multi_turn/turns_per_sample"] == 3 for entry in rollouts)
     # Each later turn went to vLLM as its unexpanded prompt and the turns so far, with the images: the engine's
     # expansion matched the trainer's context, and its log-probs of every model token are the trainer's.
     differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]

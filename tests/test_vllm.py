@@ -456,11 +456,12 @@ def test_sleep_mode_is_refused_where_vllm_has_none(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ multi-turn
 def assert_multi_turn_rollouts_match_the_engine(history):
-    """Each rollout called tools, and on every token the model wrote, over all turns, the engine's sampling log-prob
-    is the trainer's: a turn stitched at the wrong place, or a tool token taken for the model's, sets them apart."""
+    """Each sample made both rounds of calls its script asks for (see `multi_turn_trainer`), and on every token the
+    model wrote, over all turns, the engine's sampling log-prob is the trainer's: a turn stitched at the wrong place,
+    or a tool token taken for the model's, sets them apart."""
     rollouts = [entry for entry in history if "tools/call_frequency" in entry]
     assert len(rollouts) == 2
-    assert all(entry["tools/call_frequency"] > 0 and entry["multi_turn/turns_per_sample"] > 1 for entry in rollouts)
+    assert all(entry["tools/call_frequency"] == 2 and entry["multi_turn/turns_per_sample"] == 3 for entry in rollouts)
     differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
     assert len(differences) == 2 and max(differences) < 1e-5
 

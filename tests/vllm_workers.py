@@ -5,6 +5,7 @@ import os
 import traceback
 
 import torch
+from scripted_policies import script_one_bit_turns
 from transformers import TrainerCallback
 
 from targetpo import TargetPOConfig, TargetPOTrainer
@@ -107,7 +108,8 @@ class BitFlipper:
 
 
 def multi_turn_trainer(args):
-    """The reverse task as conversations with the bit-flipping environment (at most two rounds of calls)."""
+    """The reverse task as conversations with the bit-flipping environment (at most two rounds of calls); the model's
+    weights script each turn as one bit then EOS, so every sample makes both rounds of calls and a third turn."""
     tokenizer = reverse_task_tokenizer()
     tokenizer.chat_template = BITS_TEMPLATE
     tokenizer.response_template = BITS_RESPONSE_TEMPLATE
@@ -117,7 +119,7 @@ def multi_turn_trainer(args):
     dataset = reverse_task_dataset(length=6, num_prompts=256, seed=0)
     dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
     return TargetPOTrainer(
-        model=build_tiny_causal_lm(tokenizer, seed=42),
+        model=script_one_bit_turns(build_tiny_causal_lm(tokenizer, seed=42), tokenizer),
         reward_funcs=None,
         args=args,
         train_dataset=dataset,
