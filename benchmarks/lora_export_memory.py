@@ -21,7 +21,6 @@ Linux only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -30,9 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine import environment, report
+from machine import REPOSITORY, environment, old_checkout, report
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 OLD_COMMIT = "595b3c6"  # the last commit whose export built every merged weight first
 VARIANTS = ("former", "streamed")
 
@@ -112,19 +110,6 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-@contextlib.contextmanager
-def old_checkout(directory: Path):
-    """A detached worktree of the former commit, removed (and unregistered) whatever happens."""
-    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(directory), OLD_COMMIT],
-                   check=True, capture_output=True)
-    try:
-        yield directory
-    finally:
-        git = ["git", "-C", str(REPOSITORY), "worktree"]
-        subprocess.run([*git, "remove", "--force", str(directory)], check=False, capture_output=True)
-        subprocess.run([*git, "prune"], check=False, capture_output=True)
-
-
 def run_variant(variant: str, checkout: Path, argv: list[str]) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
         [str(checkout), str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
@@ -143,7 +128,7 @@ def main() -> None:
     settings = {key: value for key, value in vars(args).items() if key not in ("variant", "output")}
     argv = [f"--{key}={value}" for key, value in settings.items()]
     with tempfile.TemporaryDirectory(prefix="targetpo-former-") as work:
-        with old_checkout(Path(work) / "former") as former:
+        with old_checkout(Path(work) / "former", OLD_COMMIT) as former:
             results = {variant: run_variant(variant, former if variant == "former" else REPOSITORY, argv)
                        for variant in VARIANTS}
     former, streamed = results["former"], results["streamed"]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -88,3 +91,21 @@ def _version(module: str) -> str | None:
         return __import__(module).__version__
     except ImportError:
         return None
+
+
+#: The repository these benchmarks belong to: the new side of a before-and-after comparison.
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def old_checkout(directory: Path, commit: str) -> Iterator[Path]:
+    """A detached worktree of ``commit`` at ``directory`` (the old side of a comparison), removed and unregistered
+    whatever happens."""
+    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(directory), commit],
+                   check=True, capture_output=True)
+    try:
+        yield directory
+    finally:
+        git = ["git", "-C", str(REPOSITORY), "worktree"]
+        subprocess.run([*git, "remove", "--force", str(directory)], check=False, capture_output=True)
+        subprocess.run([*git, "prune"], check=False, capture_output=True)

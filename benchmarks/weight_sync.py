@@ -18,7 +18,6 @@ in processes of their own with that worktree first on PYTHONPATH: its modules ha
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -30,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import add_quiet_arguments, cpu_busy, environment, report, run_when_quiet
+from machine import REPOSITORY, add_quiet_arguments, cpu_busy, environment, old_checkout, report, run_when_quiet
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 OLD_COMMIT = "5de566c"
 MODELS = {
     # name: (hidden size, layers, attention heads); head_dim 64, which vLLM's CPU attention accepts
@@ -169,19 +167,6 @@ def run_client(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
-@contextlib.contextmanager
-def old_checkout(directory: Path):
-    """A detached worktree of the former commit, removed (and unregistered) whatever happens."""
-    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(directory), OLD_COMMIT],
-                   check=True, capture_output=True)
-    try:
-        yield directory
-    finally:
-        git = ["git", "-C", str(REPOSITORY), "worktree"]
-        subprocess.run([*git, "remove", "--force", str(directory)], check=False, capture_output=True)
-        subprocess.run([*git, "prune"], check=False, capture_output=True)
-
-
 def base_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
@@ -245,7 +230,7 @@ def main() -> None:
     results = []
     work = Path(tempfile.mkdtemp(prefix="targetpo-weight-sync-"))
     try:
-        with old_checkout(work / "old") as worktree:
+        with old_checkout(work / "old", OLD_COMMIT) as worktree:
             for name in args.models:
                 hidden, layers, heads = MODELS[name]
                 policy, served = work / f"{name}-policy", work / f"{name}-served"

