@@ -648,8 +648,8 @@ def load_data(script_args: ScriptArguments):
     return dataset[script_args.dataset_train_split], test
 
 
-def main(argv: list[str] | None = None) -> TargetPOTrainer:
-    argv = sys.argv[1:] if argv is None else argv
+def build_trainer(argv: list[str]) -> TargetPOTrainer:
+    """Everything before training: the arguments resolved and checked, the data, the model and the trainer."""
     script_args, training_args, model_args = parse_arguments(argv)
     passed = passed_flags(argv)
     embedded_task = script_args.dataset_name is None
@@ -715,19 +715,25 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
 
     if embedded_task and not guess_task:
         # Saved with the model, so that a plain `generate` samples as the rollouts did (the trainer itself ignores a
-        # checkpoint's generation_config): only '0' and '1', exactly H of them.
+        # checkpoint's generation_config): only '0' and '1', max_completion_length of them (H unless passed).
         trainer.accelerator.unwrap_model(trainer.model).generation_config.update(**rollout_sampling(trainer.args))
     if base_model is not None:
         save_base_beside_adapter(trainer, base_model, training_args.output_dir)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> TargetPOTrainer:
+    trainer = build_trainer(sys.argv[1:] if argv is None else argv)
     trainer.train()
-    trainer.save_model(training_args.output_dir)
+    output_dir = trainer.args.output_dir
+    trainer.save_model(output_dir)
     trainer.save_state()
     if trainer.is_world_process_zero():
         rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
         if rewards:
             print(f"mean reward: first log {rewards[0]:.3f}, last log {rewards[-1]:.3f}")
-        what = f"adapter (its base model in {BASE_MODEL_FOLDER}/)" if base_model is not None else "model"
-        print(f"saved {what}, tokenizer and trainer_state.json to {training_args.output_dir}")
+        adapter = hasattr(trainer.accelerator.unwrap_model(trainer.model), "peft_config")
+        print(f"saved {'adapter' if adapter else 'model'}, tokenizer and trainer_state.json to {output_dir}")
     return trainer
 
 

@@ -155,12 +155,11 @@ def test_dataset_streaming_refuses_what_a_stream_cannot_serve_naming_the_flag(tm
         example.main([*flags, "--dataset_streaming", "--output_dir", str(tmp_path)])
 
 
-def readme_python_block(heading):
-    """The first ```python block after ``heading`` in the README."""
+def readme_python_block(heading, index=0):
+    """The ``index``-th ```python block after ``heading`` in the README."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index(heading) :]
-    start = section.index("```python\n") + len("```python\n")
-    return section[start : section.index("```", start)]
+    return section.split("```python\n")[index + 1].split("```")[0]
 
 
 def test_trained_model_is_usable_as_the_readme_says(tmp_path):
@@ -177,6 +176,35 @@ def test_trained_model_is_usable_as_the_readme_says(tmp_path):
     assert len(completions) == len(namespace["prompts"]) == len(rewards)
     assert all(len(text) == 6 and set(text) <= {"0", "1"} for text in completions), completions
     assert all(reward in (0.0, 1.0) for reward in rewards)
+
+
+def test_a_lora_run_of_the_embedded_model_loads_offline_as_the_readme_says(tmp_path):
+    """`--use_peft` on the embedded model: the README's code loads the output folder (offline, as the tests run) as
+    the trained policy, equal logits on a fixed input; once the folder is moved, the README's PeftModel code does."""
+    example = load_example()
+    out = tmp_path / "target_po-reverse"
+    trainer = example.main([*QUICK, "--max_steps", "2", "--use_peft", "--output_dir", str(out)])
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str((out / "base_model").resolve())
+    inputs = trainer.processing_class(["011010=", "110001="], return_tensors="pt")
+    policy = trainer.model.eval()
+    with torch.no_grad():
+        expected = policy(**inputs).logits
+        with policy.disable_adapter():  # the adapters trained, so matching the policy needs them
+            assert not torch.allclose(policy(**inputs).logits, expected, atol=1e-4)
+
+    def logits_of_readme_model(index, path):
+        namespace = {}
+        code = readme_python_block("### Use your trained model", index)
+        assert '"outputs/target_po-reverse"' in code
+        exec(code.replace('"outputs/target_po-reverse"', repr(str(path))), namespace)  # noqa: S102 - the README's code
+        with torch.no_grad():
+            return namespace["model"].eval()(**inputs).logits
+
+    torch.testing.assert_close(logits_of_readme_model(0, out), expected, rtol=0, atol=1e-6)
+    moved = tmp_path / "elsewhere"
+    out.rename(moved)  # the absolute path in the adapter's config now leads nowhere
+    torch.testing.assert_close(logits_of_readme_model(1, moved), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
