@@ -581,7 +581,7 @@ def reverse_task_warnings(
     suppressed = (training_args.generation_kwargs or {}).get("suppress_tokens") or []
     can_stop = tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in suppressed
     unreachable = (
-        "so no completion can equal the reversed string: the exact-reversal reward is 0 for every sample and training "
+        "and no completion can equal the reversed string: the exact-reversal reward is 0 for every sample and training "
         f"gets no signal. --max_completion_length {bits} (the task's default, = --reverse_length) makes it reachable."
     )
     if length < bits:
@@ -732,8 +732,9 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
         rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
         if rewards:
             print(f"mean reward: first log {rewards[0]:.3f}, last log {rewards[-1]:.3f}")
-        adapter = hasattr(trainer.accelerator.unwrap_model(trainer.model), "peft_config")
-        print(f"saved {'adapter' if adapter else 'model'}, tokenizer and trainer_state.json to {output_dir}")
+        adapters = getattr(trainer.accelerator.unwrap_model(trainer.model), "peft_config", None)
+        what = f"adapter (on {next(iter(adapters.values())).base_model_name_or_path})" if adapters else "model"
+        print(f"saved {what}, tokenizer and trainer_state.json to {output_dir}")
     return trainer
 
 
