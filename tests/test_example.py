@@ -311,7 +311,8 @@ def test_a_reverse_task_completion_length_is_used_with_a_warning_when_no_answer_
     """H = 2 and --max_completion_length 10: every completion is 10 characters (EOS is suppressed), so the reward is
     0 everywhere, as the warning says; the flag is used as given all the same."""
     example = load_example()
-    with pytest.warns(UserWarning, match=r"--max_completion_length 10: the task suppresses EOS .* reward is 0 for every"):
+    unreachable = r"--max_completion_length 10: the task suppresses EOS .* reward is 0 for every sample"
+    with pytest.warns(UserWarning, match=unreachable):
         trainer = example.main([*QUICK, "--max_completion_length", "10", "--logging_steps", "1",
                                 "--output_dir", str(tmp_path)])
     (log,) = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
