@@ -10,6 +10,13 @@ higher or lower, and earns 1 only if a guess hits within three calls:
 
     python examples/target_po.py --task guess
 
+The embedded tasks bring their own defaults (learning rate, steps, batch, completion and prompt lengths, the
+vocabulary they may write), and these fill only the flags left out: a flag passed is used as given, whatever its value.
+Where a value defeats the task (a reverse-task --max_completion_length other than --reverse_length makes the exact
+answer impossible) it is used with a warning saying why; a flag that would be ignored (--reverse_length with --task
+guess, --dataset_config without --dataset_name) is refused. Keys given in --generation_kwargs are added to the task's
+vocabulary restriction (``suppress_tokens``), which they override if they name it.
+
 Every TargetPOConfig field is a flag, and a model, dataset and rewards from the Hub or disk can be swapped in:
 
     accelerate launch examples/target_po.py \\
@@ -33,7 +40,8 @@ The model flags of TRL's ``ModelConfig`` work as in TRL's GRPO script, with TRL'
     --attn_implementation NAME      eager, sdpa, flash_attention_2, ...; default: the model's own choice
     --trust_remote_code             run code shipped in the model's repository. One flag, TargetPOConfig's (TRL's
                                     GRPOConfig has it too): it reaches the policy, its tokenizer and reward models
-    --use_peft                      train LoRA adapters only; the output folder then holds the adapter
+    --use_peft                      train LoRA adapters only; the output folder then holds the adapter (and,
+                                    with the embedded model, the base model it adapts, in base_model/)
       --lora_r 16 --lora_alpha 32 --lora_dropout 0.05 --lora_target_modules NAME [NAME ...]
       --lora_target_parameters NAME [NAME ...] --lora_modules_to_save NAME [NAME ...]
       --lora_task_type CAUSAL_LM --use_rslora --use_dora
@@ -60,9 +68,14 @@ refused before any work, with what is missing, when bitsandbytes is not installe
 
 from __future__ import annotations
 
+import argparse
+import copy
+import dataclasses
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, BitsAndBytesConfig, HfArgumentParser, PreTrainedModel
@@ -91,7 +104,28 @@ def exact_match_reward(completions, solution, **kwargs) -> list[float]:
 
 BUILTIN_REWARDS = {"exact_reversal": exact_reversal_reward, "exact_match": exact_match_reward}
 
-#: Settings for the embedded task, applied unless given on the command line.
+#: What --help opens with (argparse prints it under a short usage line).
+HELP_DESCRIPTION = """\
+Fine-tune a causal language model with Target Policy Optimization (TPO).
+
+With neither --model_name_or_path nor --dataset_name it trains an embedded tiny model on an embedded task, offline,
+and the defaults shown below are the reverse task's; with --dataset_name the library's apply. Task defaults fill
+only the flags you leave out: a flag you pass is used as given, or refused with the reason.
+
+examples:
+  # the default: learn to reverse 6-bit strings from an exact-match reward (about two minutes on a laptop CPU)
+  python examples/target_po.py
+
+  # the multi-turn task: find a hidden digit with a `guess` tool that answers higher or lower
+  python examples/target_po.py --task guess
+
+  # a Hub model on your own dataset (exact_match scores its `solution` column), rollouts from vLLM on the GPU
+  accelerate launch examples/target_po.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+      --dataset_name my-org/prompts --reward_funcs exact_match --use_vllm --vllm_mode colocate \\
+      --max_completion_length 128 --output_dir outputs/qwen-tpo
+"""
+
+#: Settings for the embedded tasks, for the flags the command line leaves out.
 EMBEDDED_DEFAULTS = dict(
     output_dir="outputs/target_po-reverse",
     learning_rate=5e-4,
@@ -153,8 +187,14 @@ class ScriptArguments:
             "choices": TASKS,
         },
     )
-    reverse_length: int = field(default=6, metadata={"help": "Embedded task: length H of the binary strings."})
-    num_prompts: int = field(default=4096, metadata={"help": "Embedded task: number of prompts generated."})
+    reverse_length: int = field(
+        default=6,
+        metadata={
+            "help": "Reverse task: length H of the binary strings, and so the default --max_completion_length (H) and "
+            "--max_prompt_length (H + 1)."
+        },
+    )
+    num_prompts: int = field(default=4096, metadata={"help": "Embedded tasks: number of prompts generated."})
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -194,7 +234,8 @@ class ModelArguments:
     use_peft: bool = field(
         default=False,
         metadata={
-            "help": "Train LoRA adapters (the --lora_* flags) instead of every weight; the output is the adapter."
+            "help": "Train LoRA adapters (the --lora_* flags) instead of every weight; the output is the adapter "
+            "(with the embedded model, beside the base model it adapts, saved in base_model/)."
         },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank r."})
@@ -259,14 +300,65 @@ class ModelArguments:
     )
 
 
-def model_argument_problems(script_args: ScriptArguments, model_args: ModelArguments) -> list[str]:
+#: Flags that select the embedded task's data, and those that select parts of --dataset_name's.
+EMBEDDED_TASK_FLAGS = ("task", "reverse_length", "num_prompts")
+DATASET_FLAGS = ("dataset_config", "dataset_train_split", "dataset_test_split")
+
+
+def script_argument_problems(script_args: ScriptArguments, passed: set[str]) -> list[str]:
+    """The data flags passed that this command line would not use; empty when every one is used."""
+    problems = []
+    if script_args.dataset_name is not None:
+        unused = [f"--{name}" for name in EMBEDDED_TASK_FLAGS if name in passed]
+        if unused:
+            problems.append(
+                f"{', '.join(unused)}: the embedded tasks' settings, and --dataset_name {script_args.dataset_name} "
+                "replaces those tasks with its own data. Drop them, or drop --dataset_name to train an embedded task."
+            )
+    else:
+        unused = [f"--{name}" for name in DATASET_FLAGS if name in passed]
+        if unused:
+            problems.append(
+                f"{', '.join(unused)}: these select parts of --dataset_name's dataset, and none was given (the "
+                "embedded task is built in memory, with one split). Pass --dataset_name or drop them."
+            )
+        if script_args.task == "guess" and "reverse_length" in passed:
+            problems.append(
+                "--reverse_length sets the length of the reverse task's strings, and --task guess plays the guessing "
+                "game, which has none. Drop --reverse_length, or drop --task guess."
+            )
+    return problems
+
+
+#: Flags that only mean something beside a switch, as in TRL, which ignores them without it.
+DEPENDENT_FLAGS = {
+    "use_peft": ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                 "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"),
+    "load_in_4bit": ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"),
+}
+
+
+def ignored_flag_warnings(model_args: ModelArguments, passed: set[str]) -> list[str]:
+    """A warning for each group of flags passed without the switch they need (ignored then, as in TRL)."""
+    messages = []
+    for switch, names in DEPENDENT_FLAGS.items():
+        unused = [f"--{name}" for name in names if name in passed]
+        if unused and not getattr(model_args, switch):
+            messages.append(f"{', '.join(unused)} ignored: they configure --{switch}, which is off. Pass --{switch}.")
+    return messages
+
+
+def model_argument_problems(
+    script_args: ScriptArguments, model_args: ModelArguments, passed: set[str] = frozenset()
+) -> list[str]:
     """What stops the model flags from working, on this command line and on this machine; empty when nothing does.
 
-    Checked before any data or model is loaded, so a bad combination fails in seconds.
+    Checked before any data or model is loaded, so a bad combination fails in seconds. ``passed``: the flags written
+    on the command line (see :func:`passed_flags`).
     """
     problems = []
     embedded = script_args.model_name_or_path is None
-    if embedded and model_args.model_revision != "main":
+    if embedded and ("model_revision" in passed or model_args.model_revision != "main"):
         problems.append(
             f"--model_revision {model_args.model_revision} selects a version of --model_name_or_path, but none was "
             "given: the embedded model is built in memory and has no revisions. Pass --model_name_or_path or drop "
@@ -382,21 +474,57 @@ def lora_config(model_args: ModelArguments):
     )
 
 
-def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, ModelArguments]:
-    parser = HfArgumentParser((ScriptArguments, TargetPOConfig, ModelArguments))
-    # The embedded task's defaults apply only when it is the task: a Hub model keeps the library's RL defaults.
-    wants_help = any(arg in ("-h", "--help") for arg in argv)
-    peek = (
-        None
-        if wants_help
-        else HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its example commands keep their lines), each flag with its default."""
+
+
+def build_parser() -> HfArgumentParser:
+    """The command line: ScriptArguments, every TargetPOConfig field and TRL's model flags."""
+    return HfArgumentParser(
+        (ScriptArguments, TargetPOConfig, ModelArguments),
+        usage="%(prog)s [FLAG VALUE ...]  (every flag is listed below)",
+        description=HELP_DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
-    if wants_help or peek.dataset_name is None:
-        parser.set_defaults(**EMBEDDED_DEFAULTS)
-        if not wants_help and peek.task == "guess":
-            parser.set_defaults(**GUESS_DEFAULTS)
+
+
+def task_defaults(script_args: ScriptArguments) -> dict:
+    """The settings the embedded task brings for the flags left out; none with --dataset_name (the library's)."""
+    if script_args.dataset_name is not None:
+        return {}
+    if script_args.task == "guess":
+        return {**EMBEDDED_DEFAULTS, **GUESS_DEFAULTS}
+    # Answers are exactly H characters ('0' and '1' only, no EOS); prompts are the H bits and '='.
+    return {
+        **EMBEDDED_DEFAULTS,
+        "max_completion_length": script_args.reverse_length,
+        "max_prompt_length": script_args.reverse_length + 1,
+    }
+
+
+def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, ModelArguments]:
+    """The three argument groups, the task's defaults filling the flags the command line leaves out."""
+    parser = build_parser()
+    if any(arg in ("-h", "--help") for arg in argv):
+        peek = ScriptArguments()  # --help shows the default task's settings
+    else:
+        peek = HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
+    # argparse uses a default only for a flag that is not on the command line, so a flag passed wins whatever its value.
+    parser.set_defaults(**task_defaults(peek))
     script_args, training_args, model_args = parser.parse_args_into_dataclasses(argv)
     return script_args, training_args, model_args
+
+
+def passed_flags(argv: list[str]) -> set[str]:
+    """The fields the command line sets, whatever their values (a value equal to a default counts as passed)."""
+    parser = build_parser()
+    groups = (ScriptArguments, TargetPOConfig, ModelArguments)
+    names = {item.name for group in groups for item in dataclasses.fields(group)}
+    # With a marker as every default, whatever the namespace holds besides the marker was written.
+    unset = object()
+    parser.set_defaults(**dict.fromkeys(names, unset))
+    namespace, _ = parser.parse_known_args(argv)
+    return {name for name, value in vars(namespace).items() if value is not unset}
 
 
 def streaming_problems(training_args: TargetPOConfig) -> list[str]:
@@ -416,6 +544,70 @@ def streaming_problems(training_args: TargetPOConfig) -> list[str]:
     except ValueError as error:
         problems.append(f"--dataset_streaming: {error} Or drop --dataset_streaming.")
     return problems
+
+
+def task_generation_kwargs(script_args: ScriptArguments, tokenizer) -> dict:
+    """The embedded task's vocabulary restriction (``suppress_tokens``); none with --dataset_name."""
+    if script_args.dataset_name is not None:
+        return {}
+    if script_args.task == "guess":
+        return digits_only_generation_kwargs(tokenizer)
+    return binary_only_generation_kwargs(tokenizer)
+
+
+def reverse_task_warnings(
+    script_args: ScriptArguments, training_args: TargetPOConfig, tokenizer, reward_names: list[str]
+) -> list[str]:
+    """Why the lengths set for the reverse task leave its exact-reversal reward out of reach; empty when they do not."""
+    if script_args.dataset_name is not None or script_args.task != "reverse" or "exact_reversal" not in reward_names:
+        return []
+    bits = script_args.reverse_length
+    messages = []
+    length = training_args.max_completion_length
+    suppressed = (training_args.generation_kwargs or {}).get("suppress_tokens") or []
+    can_stop = tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in suppressed
+    unreachable = (
+        "and no completion can equal the reversed string: the exact-reversal reward is 0 for every sample and training "
+        f"gets no signal. --max_completion_length {bits} (the task's default, = --reverse_length) makes it reachable."
+    )
+    if length < bits:
+        messages.append(
+            f"--max_completion_length {length} is shorter than the {bits} characters of every answer "
+            f"(--reverse_length {bits}), {unreachable}"
+        )
+    elif length > bits and not can_stop:
+        messages.append(
+            f"--max_completion_length {length}: the task suppresses EOS (only '0' and '1' may be written), so every "
+            f"completion is {length} characters long, never the {bits} of an answer (--reverse_length {bits}), "
+            f"{unreachable}"
+        )
+    prompt_length = training_args.max_prompt_length
+    if prompt_length is not None and prompt_length < bits + 1:
+        messages.append(
+            f"--max_prompt_length {prompt_length} keeps only the last {prompt_length} of each prompt's {bits + 1} "
+            f"tokens ({bits} bits and '='): the model cannot see the whole string it must reverse. "
+            f"--max_prompt_length {bits + 1} (the task's default) keeps it whole."
+        )
+    return messages
+
+
+#: Where a LoRA run of the embedded model saves the model its adapter was trained on, inside the output folder.
+BASE_MODEL_FOLDER = "base_model"
+
+
+def save_base_beside_adapter(trainer: TargetPOTrainer, base_model: PreTrainedModel, output_dir: str) -> Path:
+    """Save the embedded model a LoRA run adapts in ``output_dir/base_model`` and name it (an absolute path) as the
+    adapter's ``base_model_name_or_path``: built in memory, it exists nowhere else, and without it the adapter
+    cannot be loaded."""
+    directory = Path(output_dir, BASE_MODEL_FOLDER).resolve()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    base_model.generation_config = copy.deepcopy(policy.generation_config)  # samples as the policy does
+    if trainer.is_world_process_zero():
+        base_model.save_pretrained(directory)
+        trainer.processing_class.save_pretrained(directory)
+    for config in policy.peft_config.values():  # written into every adapter_config.json, checkpoints' too
+        config.base_model_name_or_path = str(directory)
+    return directory
 
 
 def load_data(script_args: ScriptArguments):
@@ -442,8 +634,10 @@ def load_data(script_args: ScriptArguments):
     return dataset[script_args.dataset_train_split], test
 
 
-def main(argv: list[str] | None = None) -> TargetPOTrainer:
-    script_args, training_args, model_args = parse_arguments(sys.argv[1:] if argv is None else argv)
+def build_trainer(argv: list[str]) -> TargetPOTrainer:
+    """Everything before training: the arguments resolved and checked, the data, the model and the trainer."""
+    script_args, training_args, model_args = parse_arguments(argv)
+    passed = passed_flags(argv)
     embedded_task = script_args.dataset_name is None
     guess_task = embedded_task and script_args.task == "guess"
     names = script_args.reward_funcs or (["exact_reversal"] if embedded_task and not guess_task else None)
@@ -455,19 +649,25 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
             "('0', '1', '=') can only read the embedded reversal task, not another dataset's text. Pass a model id or "
             "path, e.g. --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct."
         )
-    problems = model_argument_problems(script_args, model_args)
+    problems = script_argument_problems(script_args, passed)
+    problems += model_argument_problems(script_args, model_args, passed)
     if script_args.dataset_streaming:
         problems += streaming_problems(training_args)
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
+    for message in ignored_flag_warnings(model_args, passed):
+        warnings.warn(message, stacklevel=2)
     peft_config = lora_config(model_args)
     reward_funcs = [BUILTIN_REWARDS.get(name, name) for name in names or []]
     train_dataset, eval_dataset = load_data(script_args)
 
+    base_model = None
     try:
         if script_args.model_name_or_path is None:
             tokenizer = guessing_tokenizer() if guess_task else reverse_task_tokenizer()
             model = adapt_built_model(build_tiny_causal_lm(tokenizer, seed=training_args.seed), model_args)
+            if peft_config is not None:
+                base_model = copy.deepcopy(model)  # the adapters are injected into `model`; this stays the base
         else:
             # Loaded by the trainer, with these keyword arguments and TargetPOConfig's trust_remote_code.
             model = script_args.model_name_or_path
@@ -479,14 +679,13 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
                 revision=model_args.model_revision,
                 trust_remote_code=training_args.trust_remote_code,
             )
-        if guess_task and training_args.generation_kwargs is None:
-            training_args.generation_kwargs = digits_only_generation_kwargs(tokenizer)
-        elif embedded_task:
-            # The task allows only '0' and '1', so completions are exactly H tokens long; prompts are H bits and '='.
-            training_args.max_completion_length = script_args.reverse_length
-            training_args.max_prompt_length = script_args.reverse_length + 1
-            if training_args.generation_kwargs is None:
-                training_args.generation_kwargs = binary_only_generation_kwargs(tokenizer)
+        # The task's vocabulary restriction, under --generation_kwargs: a key given there wins (suppress_tokens too).
+        training_args.generation_kwargs = {
+            **task_generation_kwargs(script_args, tokenizer),
+            **(training_args.generation_kwargs or {}),
+        } or None
+        for message in reverse_task_warnings(script_args, training_args, tokenizer, names or []):
+            warnings.warn(message, stacklevel=2)
         trainer = TargetPOTrainer(
             model=model,
             reward_funcs=reward_funcs,
@@ -500,19 +699,30 @@ def main(argv: list[str] | None = None) -> TargetPOTrainer:
     except OSError as error:  # a model, tokenizer or reward model that is neither on disk nor reachable
         raise SystemExit(f"error: {error}") from error
 
-    trainer.train()
     if embedded_task and not guess_task:
         # Saved with the model, so that a plain `generate` samples as the rollouts did (the trainer itself ignores a
-        # checkpoint's generation_config): only '0' and '1', exactly H of them, with the resolved sampling settings.
+        # checkpoint's generation_config): only '0' and '1', max_completion_length of them (H unless passed), with the
+        # resolved sampling settings.
         policy = trainer.accelerator.unwrap_model(trainer.model)
         policy.generation_config.update(**trainer.sampling.generation_config_fields())
-    trainer.save_model(training_args.output_dir)
+    if base_model is not None:
+        save_base_beside_adapter(trainer, base_model, training_args.output_dir)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> TargetPOTrainer:
+    trainer = build_trainer(sys.argv[1:] if argv is None else argv)
+    trainer.train()
+    output_dir = trainer.args.output_dir
+    trainer.save_model(output_dir)
     trainer.save_state()
     if trainer.is_world_process_zero():
         rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
         if rewards:
             print(f"mean reward: first log {rewards[0]:.3f}, last log {rewards[-1]:.3f}")
-        print(f"saved model, tokenizer and trainer_state.json to {training_args.output_dir}")
+        adapters = getattr(trainer.accelerator.unwrap_model(trainer.model), "peft_config", None)
+        what = f"adapter (on {next(iter(adapters.values())).base_model_name_or_path})" if adapters else "model"
+        print(f"saved {what}, tokenizer and trainer_state.json to {output_dir}")
     return trainer
 
 

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from transformers import BitsAndBytesConfig, GenerationConfig
 from targetpo.demo import (
     binary_only_generation_kwargs,
     build_tiny_causal_lm,
+    digits_only_generation_kwargs,
+    guessing_tokenizer,
     reverse_task_dataset,
     reverse_task_tokenizer,
 )
@@ -160,12 +163,11 @@ def test_dataset_streaming_refuses_what_a_stream_cannot_serve_naming_the_flag(tm
         example.main([*flags, "--dataset_streaming", "--output_dir", str(tmp_path)])
 
 
-def readme_python_block(heading):
-    """The first ```python block after ``heading`` in the README."""
+def readme_python_block(heading, index=0):
+    """The ``index``-th ```python block after ``heading`` in the README."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index(heading) :]
-    start = section.index("```python\n") + len("```python\n")
-    return section[start : section.index("```", start)]
+    return section.split("```python\n")[index + 1].split("```")[0]
 
 
 def test_trained_model_is_usable_as_the_readme_says(tmp_path):
@@ -197,6 +199,35 @@ def test_the_saved_generation_config_holds_the_resolved_sampling_settings(tmp_pa
     saved = GenerationConfig.from_pretrained(out)
     assert saved.do_sample and saved.temperature == 0.7 and saved.top_k == 2 and saved.max_new_tokens == 4
     assert saved.suppress_tokens == settings["suppress_tokens"]
+
+
+def test_a_lora_run_of_the_embedded_model_loads_offline_as_the_readme_says(tmp_path):
+    """`--use_peft` on the embedded model: the README's code loads the output folder (offline, as the tests run) as
+    the trained policy, equal logits on a fixed input; once the folder is moved, the README's PeftModel code does."""
+    example = load_example()
+    out = tmp_path / "target_po-reverse"
+    trainer = example.main([*QUICK, "--max_steps", "2", "--use_peft", "--output_dir", str(out)])
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str((out / "base_model").resolve())
+    inputs = trainer.processing_class(["011010=", "110001="], return_tensors="pt")
+    policy = trainer.model.eval()
+    with torch.no_grad():
+        expected = policy(**inputs).logits
+        with policy.disable_adapter():  # the adapters trained, so matching the policy needs them
+            assert not torch.allclose(policy(**inputs).logits, expected, atol=1e-4)
+
+    def logits_of_readme_model(index, path):
+        namespace = {}
+        code = readme_python_block("### Use your trained model", index)
+        assert '"outputs/target_po-reverse"' in code
+        exec(code.replace('"outputs/target_po-reverse"', repr(str(path))), namespace)  # noqa: S102 - the README's code
+        with torch.no_grad():
+            return namespace["model"].eval()(**inputs).logits
+
+    torch.testing.assert_close(logits_of_readme_model(0, out), expected, rtol=0, atol=1e-6)
+    moved = tmp_path / "elsewhere"
+    out.rename(moved)  # the absolute path in the adapter's config now leads nowhere
+    torch.testing.assert_close(logits_of_readme_model(1, moved), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -246,6 +277,131 @@ def test_guess_demo_learns_to_find_the_digit(tmp_path):
                if "reward" in entry]
     assert rewards[0] < 0.1
     assert rewards[-1] > 0.2, rewards
+
+
+# --- Task defaults and the flags passed -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "completion_length", "prompt_length"),
+    [
+        ([], 6, 7),  # the reverse task: H-character answers to H bits and '='
+        (["--reverse_length", "4"], 4, 5),
+        # The library's defaults written out (256 and 512): passed, so used, although they equal a default.
+        (["--max_completion_length", "256", "--max_prompt_length", "512"], 256, 512),
+        (["--task", "guess"], 20, 512),  # a whole game fits in 20 tokens; the prompt length is the library's
+        (["--task", "guess", "--max_completion_length", "6"], 6, 512),
+        (["--dataset_name", "some/data"], 256, 512),  # another dataset: the library's defaults
+    ],
+)
+def test_task_defaults_fill_only_the_lengths_left_out(tmp_path, flags, completion_length, prompt_length):
+    example = load_example()
+    _, args, _ = example.parse_arguments([*flags, "--output_dir", str(tmp_path)])
+    assert (args.max_completion_length, args.max_prompt_length) == (completion_length, prompt_length)
+
+
+def test_flags_count_as_passed_whatever_their_value():
+    example = load_example()
+    passed = example.passed_flags(
+        ["--reverse_length", "6", "--no_disable_dropout", "--lora_r=16", "--use_peft", "--dataset_streaming", "false"]
+    )
+    assert passed == {"reverse_length", "disable_dropout", "lora_r", "use_peft", "dataset_streaming"}
+    assert example.passed_flags([]) == set()
+
+
+def test_guess_task_keeps_its_settings_beside_generation_kwargs(tmp_path):
+    """--generation_kwargs on the guessing game adds to the game's settings: the completions stay 20 tokens long (not
+    the reverse task's 6) and the model still writes only digits and EOS."""
+    example = load_example()
+    trainer = example.build_trainer(
+        ["--task", "guess", "--generation_kwargs", '{"temperature": 1.0}', "--output_dir", str(tmp_path)]
+    )
+    expected = {**digits_only_generation_kwargs(guessing_tokenizer()), "temperature": 1.0}
+    assert trainer.args.generation_kwargs == expected
+    assert trainer.args.max_completion_length == trainer.sampling.max_new_tokens == 20
+    assert trainer.sampling.suppressed_token_ids == expected["suppress_tokens"]
+
+
+def test_a_reverse_task_completion_length_is_used_with_a_warning_when_no_answer_can_score(tmp_path):
+    """H = 2 and --max_completion_length 10: every completion is 10 characters (EOS is suppressed), so the reward is
+    0 everywhere, as the warning says; the flag is used as given all the same."""
+    example = load_example()
+    unreachable = r"--max_completion_length 10: the task suppresses EOS .* reward is 0 for every sample"
+    with pytest.warns(UserWarning, match=unreachable):
+        trainer = example.main([*QUICK, "--max_completion_length", "10", "--logging_steps", "1",
+                                "--output_dir", str(tmp_path)])
+    (log,) = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    assert log["completions/mean_length"] == log["completions/min_length"] == 10
+    assert log["reward"] == 0
+    with pytest.warns(UserWarning, match=r"--max_completion_length 1 is shorter than the 2 characters"):
+        example.build_trainer([*QUICK, "--max_completion_length", "1", "--output_dir", str(tmp_path)])
+    with pytest.warns(UserWarning, match=r"--max_prompt_length 2 keeps only the last 2 of each prompt's 3 tokens"):
+        example.build_trainer([*QUICK, "--max_prompt_length", "2", "--output_dir", str(tmp_path)])
+
+
+def test_reverse_task_lengths_that_can_score_raise_no_warning(tmp_path, recwarn):
+    """The defaults, and a longer completion once --generation_kwargs lets the model write EOS (it may stop at H)."""
+    example = load_example()
+    example.build_trainer([*QUICK, "--output_dir", str(tmp_path)])
+    tokenizer = reverse_task_tokenizer()
+    allow_eos = [token for token in binary_only_generation_kwargs(tokenizer)["suppress_tokens"]
+                 if token != tokenizer.eos_token_id]
+    trainer = example.build_trainer(
+        [*QUICK, "--max_completion_length", "10", "--generation_kwargs", json.dumps({"suppress_tokens": allow_eos}),
+         "--output_dir", str(tmp_path)]
+    )
+    assert trainer.args.generation_kwargs == {"suppress_tokens": allow_eos}  # the user's key wins
+    assert trainer.args.max_completion_length == 10
+    assert not [warning for warning in recwarn if str(warning.message).startswith("--")]
+
+
+DATASET = ["--dataset_name", "no-such-org/no-such-data", "--model_name_or_path", "no-such-org/no-such-model",
+           "--reward_funcs", "exact_match"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # 6 is --reverse_length's default: written on the command line, it is refused all the same.
+        (["--task", "guess", "--reverse_length", "6"], "--reverse_length sets the length of the reverse task's"),
+        (["--dataset_config", "small"], "--dataset_config: these select parts of --dataset_name's dataset"),
+        (["--dataset_train_split", "train", "--dataset_test_split", "test"],
+         "--dataset_train_split, --dataset_test_split: these select parts of --dataset_name's"),
+        (["--model_revision", "main"], "--model_revision main selects a version of --model_name_or_path"),
+        ([*DATASET, "--task", "reverse", "--num_prompts", "8"], "--task, --num_prompts: the embedded tasks' settings"),
+    ],
+)
+def test_flags_that_would_be_ignored_are_refused_before_any_work(tmp_path, flags, message):
+    example = load_example()
+    # The dataset and model named in DATASET do not exist: reaching either would fail with another message. Nothing
+    # trains here, even when a refusal is missed.
+    with pytest.raises(SystemExit, match=message):
+        example.build_trainer([*flags, "--output_dir", str(tmp_path)])
+
+
+def test_lora_flags_without_use_peft_are_ignored_with_a_warning(tmp_path):
+    example = load_example()
+    with pytest.warns(UserWarning, match=r"--lora_r, --lora_alpha ignored: they configure --use_peft, which is off"):
+        trainer = example.build_trainer([*QUICK, "--lora_r", "4", "--lora_alpha", "8", "--output_dir", str(tmp_path)])
+    assert not isinstance(trainer.model, PeftModel)
+
+
+def test_help_opens_with_what_the_script_does_and_three_example_commands(tmp_path):
+    example = load_example()
+    text = example.build_parser().format_help()
+    usage, description, _ = text.split("\n\n", 2)
+    assert usage.startswith("usage:") and "\n" not in usage  # one line, not every flag before the description
+    assert description.startswith("Fine-tune a causal language model with Target Policy Optimization (TPO).")
+    examples = text[text.index("examples:") : text.index("options:")]
+    commands = [shlex.split(line) for line in examples.replace("\\\n", " ").splitlines()
+                if line.strip().startswith(("python ", "accelerate "))]
+    assert len(commands) == 3
+    # Each command's flags are the script's, and mean what the comment above it says.
+    parsed = [example.parse_arguments([*command[command.index("examples/target_po.py") + 1 :],
+                                       "--output_dir", str(tmp_path)]) for command in commands]
+    (default, _, _), (guess, _, _), (hub, hub_args, _) = parsed
+    assert default == example.ScriptArguments() and guess.task == "guess"
+    assert hub.model_name_or_path and hub.dataset_name and hub_args.use_vllm
 
 
 # --- TRL's model flags (ModelConfig) ------------------------------------------------------------------------------
