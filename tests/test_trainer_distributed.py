@@ -73,7 +73,7 @@ def test_a_stream_over_two_processes_gives_each_its_share_in_order(tmp_path):
         for rank, run in enumerate(runs):
             stream, mapped = run["stream"], run["map"]
             assert stream["is_stream"] and not mapped["is_stream"]
-            assert stream["dispatch_batches"] is False  # each process reads the stream itself
+            assert not stream["dispatched"]  # each process reads the stream itself
             assert stream["global_step"] == mapped["global_step"] == max_steps
             # Process `rank` keeps the rank-th share of each rollout, as from the map-style dataset.
             own = [rollout[rank * share : (rank + 1) * share] for rollout in rollouts]

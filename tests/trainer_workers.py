@@ -133,7 +133,7 @@ def stream_share_worker(rank, world_size, port, out_dir):
                 {
                     "seen": seen,
                     "is_stream": isinstance(trainer.train_dataset, IterableDataset),
-                    "dispatch_batches": trainer.args.accelerator_config.dispatch_batches,
+                    "dispatched": type(trainer.get_train_dataloader()).__name__ == "DataLoaderDispatcher",
                     "global_step": trainer.state.global_step,
                     "initial": initial,
                     "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
