@@ -610,7 +610,8 @@ def test_a_stream_passed_to_evaluate_scores_as_the_same_rows_map_style(tmp_path,
     trainer = TargetPOTrainer(tiny_model, recording_reward(seen), args=args,
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
     results = {}
-    # 8 prompts, 2 per batch: the map-style loader's last batch is whole (see the report on eval_loss weighting).
+    # 8 prompts, 2 per batch: the last batch is whole. (With a partial one, a map-style dataset's eval_loss would
+    # weigh it by the prompts, not the completions, it holds: accelerate takes the dataset's length as the rows'.)
     for kind, dataset in (("map", Dataset.from_dict({"prompt": PROMPTS})), ("stream", stream_of(PROMPTS))):
         seen.clear()
         set_seed(0)  # the same samples for both
