@@ -540,7 +540,7 @@ def streaming_problems(training_args: TargetPOConfig) -> list[str]:
             "derived from --num_train_epochs. Pass --max_steps N, or drop --dataset_streaming."
         )
     try:
-        check_streaming_supported(training_args)
+        check_streaming_supported(training_args, train_is_stream=True)
     except ValueError as error:
         problems.append(f"--dataset_streaming: {error} Or drop --dataset_streaming.")
     return problems

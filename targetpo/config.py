@@ -6,6 +6,7 @@ Field names follow the ones GRPO users already know, so that a GRPO script moves
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -480,8 +481,22 @@ class GRPOConfig(TrainingArguments):
                         f"`{name}` must be a dict or a JSON object string, got {value!r}: {error}"
                     ) from error
         super().__post_init__()
+        self._check_output_dir()
         self._check_rollout_settings()
         self._resolve_batch_layout()
+
+    def _check_output_dir(self) -> None:
+        """Refuse an output_dir that cannot be a directory (an existing file, or below one) before any work."""
+        if self.output_dir is None:
+            return
+        path = os.path.abspath(self.output_dir)
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)  # the deepest part that exists must be a directory
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"output_dir={self.output_dir!r} cannot be a directory: {path!r} is an existing file. Checkpoints, logs "
+                "and the saved model go in output_dir: choose a directory path (it is created if missing)."
+            )
 
     def _check_rollout_settings(self) -> None:
         if self.num_generations < 2:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +40,14 @@ def validate_prompt_dataset(
     """
     if dataset is None:
         return
+    if isinstance(dataset, Iterator):
+        raise ValueError(
+            f"The {split} dataset is a one-shot iterator ({type(dataset).__name__}): the trainer reads a dataset more "
+            "than once (its first row is checked before training, and every epoch reads it again from its start), "
+            "so an iterator's first rows would never be trained and its next epoch would be empty. Pass something "
+            "that starts again each time it is read: `datasets.IterableDataset.from_generator(make_rows)` with the "
+            "function that makes the generator (not the generator itself), or `datasets.Dataset.from_list(list(rows))`."
+        )
     if not is_stream(dataset) and not hasattr(dataset, "__getitem__"):
         raise ValueError(
             f"The {split} dataset must be a map-style dataset (e.g. `datasets.Dataset`) or a stream (e.g. "
@@ -152,6 +162,14 @@ def prompt_problem(prompt: Any, images_allowed: bool = False) -> tuple[str, str]
     return None
 
 
+def message_text(message: dict[str, Any]) -> str:
+    """A message's text: its content string, or its text parts joined (how chat templates render content parts)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if isinstance(part, dict) and part.get("type", "text") == "text")
+
+
 def render_prompts(
     prompts: Sequence[Any], tokenizer: Any, tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
 ) -> list[str]:
@@ -227,23 +245,49 @@ def first_row(dataset: Any) -> Any:
     return dataset[0] if len(dataset) else None
 
 
-def check_streaming_supported(args: Any) -> None:
-    """Refuse the settings a streamed dataset cannot serve, before any model work starts."""
-    if args.async_rollouts:
+def check_streaming_supported(args: Any, train_is_stream: bool) -> None:
+    """Refuse the settings a streamed dataset cannot serve, before any model work starts; warn that a stream is read
+    without dataloader workers."""
+    if train_is_stream and args.async_rollouts:
         raise ValueError(
             "async_rollouts=True needs a map-style train dataset: the next rollout's prompts are read ahead by index. "
             "Set async_rollouts=False, or load the data as a `datasets.Dataset` (without `streaming=True`)."
-        )
-    if args.dataloader_num_workers > 0:
-        raise ValueError(
-            f"dataloader_num_workers={args.dataloader_num_workers} with a streamed dataset would read the stream once "
-            "per worker, repeating every prompt. Set dataloader_num_workers=0."
         )
     if args.accelerator_config.dispatch_batches:
         raise ValueError(
             "accelerator_config.dispatch_batches=True sends batches from the main process, which cannot carry prompt "
             "rows; with a streamed dataset each process reads the stream itself. Leave dispatch_batches unset."
         )
+    if args.dataloader_num_workers > 0:
+        warnings.warn(
+            f"dataloader_num_workers={args.dataloader_num_workers} does not apply to streamed datasets: each worker "
+            "would read the whole stream, repeating every prompt, so a stream is read in the main process "
+            "(dataloader_num_workers=0 for its loader). Map-style datasets still use the workers.",
+            stacklevel=3,
+        )
+
+
+@contextlib.contextmanager
+def stream_loader_settings(args: Any, accelerator: Any) -> Iterator[None]:
+    """While a stream's dataloader is built: no worker processes (each would read the whole stream), and every process
+    reads the stream itself, keeping its share (no batches dispatched from the main process)."""
+    worker_settings = {
+        "dataloader_num_workers": 0,
+        "dataloader_persistent_workers": False,
+        "dataloader_prefetch_factor": None,
+        "dataloader_multiprocessing_context": None,
+    }
+    saved = {name: getattr(args, name) for name in worker_settings}
+    saved_dispatch = accelerator.dataloader_config.dispatch_batches
+    for name, value in worker_settings.items():
+        setattr(args, name, value)
+    accelerator.dataloader_config.dispatch_batches = False
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
+        accelerator.dataloader_config.dispatch_batches = saved_dispatch
 
 
 class RolloutStream(torch.utils.data.IterableDataset):

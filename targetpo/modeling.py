@@ -185,10 +185,14 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def prompt_token_limit(max_prompt_length: int | None, max_completion_length: int, positions: int | None) -> int | None:
+def prompt_token_limit(
+    max_prompt_length: int | None, max_completion_length: int, positions: int | None, warn_if_lowered: bool = True
+) -> int | None:
     """The most prompt tokens a rollout keeps: ``max_prompt_length``, lowered so prompt and completion fit the model.
 
-    Refuses a ``max_completion_length`` that leaves no room for a prompt; warns when the model's positions bind.
+    Refuses a ``max_completion_length`` that leaves no room for a prompt; warns when a ``max_prompt_length`` the user
+    set (``warn_if_lowered``) is lowered. None (no limit) takes the room without a word: prompts cut to it are
+    reported when they are cut (:class:`PromptLimit`).
     """
     if positions is None:
         return max_prompt_length
@@ -199,15 +203,57 @@ def prompt_token_limit(max_prompt_length: int | None, max_completion_length: int
             f"below {positions}, leaving room for the prompts."
         )
     room = positions - max_completion_length
-    if max_prompt_length is None or max_prompt_length > room:
+    if max_prompt_length is not None and max_prompt_length <= room:
+        return max_prompt_length
+    if max_prompt_length is not None and warn_if_lowered:
         warnings.warn(
-            f"The model has {positions} positions and max_completion_length={max_completion_length}, so prompts "
-            f"longer than {room} tokens keep their last {room} (max_prompt_length={max_prompt_length}). Set "
-            f"max_prompt_length to at most {room} to make this explicit, or lower max_completion_length.",
+            f"max_prompt_length={max_prompt_length} and max_completion_length={max_completion_length} exceed the "
+            f"model's {positions} positions, so prompts longer than {room} tokens keep their last {room}. Set "
+            f"max_prompt_length to at most {room}, or lower max_completion_length.",
             stacklevel=3,
         )
-        return room
-    return max_prompt_length
+    return room
+
+
+class PromptLimit:
+    """The most prompt tokens a rollout keeps (``tokens``; None: no limit), and a warning the first time prompts are
+    cut to it.
+
+    ``max_prompt_length`` is lowered so prompt and completion fit the model's ``positions``; only a value the user set
+    (not ``prompt_length_is_default``) is warned about at once, since the default binds nothing until a prompt is cut.
+    """
+
+    def __init__(
+        self,
+        max_prompt_length: int | None,
+        max_completion_length: int,
+        positions: int | None,
+        prompt_length_is_default: bool = False,
+    ):
+        self.tokens = prompt_token_limit(
+            max_prompt_length, max_completion_length, positions, warn_if_lowered=not prompt_length_is_default
+        )
+        if self.tokens == max_prompt_length:
+            self._why = f"max_prompt_length={max_prompt_length}"
+        else:
+            self._why = (
+                f"the model's {positions} positions less max_completion_length={max_completion_length}; "
+                f"max_prompt_length={max_prompt_length}"
+            )
+        self._reported = False
+
+    def report_cut(self, num_cut: int, num_prompts: int) -> None:
+        """Warn, the first time any are, that ``num_cut`` of a rollout's ``num_prompts`` distinct prompts were cut."""
+        if num_cut == 0 or self._reported:
+            return
+        self._reported = True
+        warnings.warn(
+            f"{num_cut} of the {num_prompts} prompts of a rollout are longer than {self.tokens} tokens ({self._why}) "
+            f"and keep only their last {self.tokens}. Drop or shorten such prompts (e.g. `dataset.filter(...)` on "
+            "their token count), or make room: raise max_prompt_length or lower max_completion_length within the "
+            "model's positions. Later cuts are not reported.",
+            stacklevel=3,
+        )
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:

@@ -11,7 +11,7 @@ import functools
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from .modeling import from_pretrained_or_explain, model_identifier
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
+#: What every reward function is given besides the dataset's columns; a column may not take these names.
+REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
 
 
 def reward_name(func: Any) -> str:
@@ -48,6 +50,16 @@ def unique_reward_names(names: Sequence[str]) -> list[str]:
         taken.add(f"{name}_{number}")
         unique.append(f"{name}_{number}")
     return unique
+
+
+def required_arguments(func: Any) -> list[str]:
+    """The keyword arguments ``func`` cannot be called without (no default); none when its signature is unknown."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables
+        return []
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in keyword_kinds and p.default is inspect.Parameter.empty]
 
 
 def _as_score(value: Any, name: str, index: int) -> float:
@@ -191,6 +203,19 @@ class RewardScorer:
             model.config.pad_token_id = tokenizer.pad_token_id
         return tokenizer
 
+    def check_arguments(self, passed: Collection[str], source: str) -> None:
+        """Refuse a reward function that needs an argument neither ``passed`` (columns) nor the standard ones give."""
+        given = REWARD_ARGUMENTS | set(passed)
+        for func, name, is_model in zip(self.funcs, self.names, self.is_model):
+            missing = [] if is_model else [argument for argument in required_arguments(func) if argument not in given]
+            if missing:
+                raise ValueError(
+                    f"Reward function '{name}' needs the argument(s) {missing}, which {source} does not give. Reward "
+                    "functions receive each dataset column under its name (and prompts, completions, completion_ids, "
+                    f"trainer_state): add or rename the column (e.g. `dataset.rename_column('answer', {missing[0]!r})`), "
+                    "or give the parameter a default."
+                )
+
     def prepare_models(self, prepare: Callable[[PreTrainedModel], Any]) -> None:
         """Place every reward model with ``prepare`` (e.g. the accelerator's ``prepare_model``)."""
         self.funcs = [prepare(func) if is_model else func for func, is_model in zip(self.funcs, self.is_model)]
@@ -219,6 +244,7 @@ class RewardScorer:
             **columns,
             "trainer_state": trainer_state,
         }
+        self.check_arguments(columns, f"the rollout (its columns: {sorted(set(columns) - REWARD_ARGUMENTS)})")
         pending: dict[int, Any] = {}  # column -> the awaitable of an async reward function
         for index, (func, name) in enumerate(zip(self.funcs, self.names)):
             if self.is_model[index]:

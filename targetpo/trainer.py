@@ -54,7 +54,9 @@ from .data import (
     identity_collator,
     is_stream,
     lookahead_use,
+    message_text,
     render_prompts,
+    stream_loader_settings,
     validate_prompt_dataset,
 )
 from .distributed import (
@@ -77,6 +79,7 @@ from .generation import (
     unpadded_prompts,
 )
 from .modeling import (
+    PromptLimit,
     apply_peft,
     cast_output_head_to_fp32,
     completion_logps,
@@ -92,7 +95,6 @@ from .modeling import (
     max_positions,
     mix_weights_into,
     model_identifier,
-    prompt_token_limit,
     require_liger,
     supports_chunked_head,
 )
@@ -112,7 +114,7 @@ from .reporting import (
     print_completions_table,
     push_completions_table,
 )
-from .rewards import RewardFunc, RewardLogs, RewardScorer
+from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardLogs, RewardScorer
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
     IMAGE_COLUMNS,
@@ -142,11 +144,6 @@ ROLLOUT_DIAGNOSTICS = {
     "reward_std": "reward_std",
     "informative_group_fraction": "tpo/informative_group_fraction",
 }
-
-#: Reward functions receive these by name; a dataset column may not use them.
-RESERVED_REWARD_ARGUMENTS = frozenset(
-    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
-)
 
 
 def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrainedModel:
@@ -286,8 +283,7 @@ class TargetPOTrainer(Trainer):
         for split, dataset in splits:
             validate_prompt_dataset(dataset, split, self._processor or tokenizer, self._images_need)
         if any(is_stream(dataset) for _, dataset in splits):
-            check_streaming_supported(args)
-            args.accelerator_config.dispatch_batches = False  # each process reads the stream and keeps its share
+            check_streaming_supported(args, train_is_stream=is_stream(train_dataset))
         if self.tools or self._environments is not None:
             for split, dataset in splits:
                 if isinstance(first_row(dataset)["prompt"], str):
@@ -297,17 +293,24 @@ class TargetPOTrainer(Trainer):
                         "`[{'role': 'user', 'content': prompt}]`."
                     )
         # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
-        self._max_prompt_tokens = prompt_token_limit(
-            args.max_prompt_length, args.max_completion_length, max_positions(policy)
+        self._prompt_limit = PromptLimit(
+            args.max_prompt_length,
+            args.max_completion_length,
+            max_positions(policy),
+            prompt_length_is_default=args.max_prompt_length == TargetPOConfig.max_prompt_length,
         )
-        reserved = RESERVED_REWARD_ARGUMENTS | ({"environments"} if self._environments is not None else set())
-        for _, dataset in splits:
-            clashes = reserved & set(getattr(dataset, "column_names", None) or first_row(dataset))
+        self._max_prompt_tokens = self._prompt_limit.tokens
+        reserved = REWARD_ARGUMENTS | ({"environments"} if self._environments is not None else set())
+        for split, dataset in splits:
+            columns = set(getattr(dataset, "column_names", None) or first_row(dataset))
+            clashes = reserved & columns
             if clashes:
                 raise ValueError(
                     f"Dataset column(s) {sorted(clashes)} would collide with the reward-function arguments of the same "
                     "name; rename them (e.g. `dataset.rename_column(...)`)."
                 )
+            if rollout_func is None:  # a rollout_func's extra fields are arguments too, known only once it runs
+                self._check_reward_arguments(split, columns, args.remove_unused_columns)
         if (
             train_dataset is not None
             and not is_stream(train_dataset)
@@ -518,6 +521,17 @@ class TargetPOTrainer(Trainer):
         return problem is None
 
     # ------------------------------------------------------------------------------------------------ data
+    def _check_reward_arguments(self, split: str, columns: set[str], remove_unused_columns: bool) -> None:
+        """Refuse, before any work, a reward function that needs a column the dataset (as rollouts see it) lacks."""
+        source = f"the {split} dataset (its columns: {sorted(columns)})"
+        passed = columns - {"prompt"}  # the prompt arrives as `prompts`
+        if remove_unused_columns:
+            passed &= set(IMAGE_COLUMNS)
+            source += " with remove_unused_columns=True, which keeps only the prompt and the image column"
+        if self._environments is not None:
+            passed.add("environments")
+        self.reward_scorer.check_arguments(passed, source)
+
     def _what_images_need(self) -> str | None:
         """What prompts with images would need that this run lacks; None when they can be trained on."""
         return NEEDS_PROCESSOR if self._processor is None else None
@@ -553,12 +567,13 @@ class TargetPOTrainer(Trainer):
                 tag_uses=True,
                 images_allowed=self._images_need is None,
             )
-            return self._get_dataloader(
-                dataset=stream,
-                description="Training",
-                batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
-                is_training=True,
-            )
+            with stream_loader_settings(self.args, self.accelerator):
+                return self._get_dataloader(
+                    dataset=stream,
+                    description="Training",
+                    batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+                    is_training=True,
+                )
         return self._get_dataloader(
             dataset=RolloutRows(self.train_dataset),
             description="Training",
@@ -575,18 +590,17 @@ class TargetPOTrainer(Trainer):
         else:  # given to `evaluate()`, so not checked yet
             dataset = eval_dataset
             validate_prompt_dataset(dataset, "eval", self._processor or self._tokenizer, self._images_need)
-            if is_stream(dataset) and self.args.accelerator_config.dispatch_batches is not False:
-                raise ValueError(
-                    "A streamed evaluation dataset passed to `evaluate()` needs a trainer built for streams: pass a "
-                    "stream as `eval_dataset` (or `train_dataset`) when creating the trainer, or convert this one "
-                    "with `datasets.Dataset.from_list(list(stream))`."
-                )
+            if is_stream(dataset):
+                check_streaming_supported(self.args, train_is_stream=False)
         self.args.check_eval_batch_size()
         if dataset is not None and is_stream(dataset):
             stream = RolloutStream(
                 dataset, self._group_size("eval"), split="eval", images_allowed=self._images_need is None
             )
-            return self._get_dataloader(dataset=stream, description="Evaluation", batch_size=self.args.eval_batch_size)
+            with stream_loader_settings(self.args, self.accelerator):
+                return self._get_dataloader(
+                    dataset=stream, description="Evaluation", batch_size=self.args.eval_batch_size
+                )
         # A name goes on as it is: the Trainer keeps each named dataset's (persistent-worker) loader under its name.
         return super().get_eval_dataloader(eval_dataset if isinstance(eval_dataset, str) else dataset)
 
@@ -819,14 +833,21 @@ class TargetPOTrainer(Trainer):
                 with_image_parts(prompt, len(row_images_), index)
                 for index, (prompt, row_images_) in enumerate(zip(prompts, images))
             ]
+            texts = self._render_prompts(prompts)
             encoded = encode_prompts_with_images(
                 self._processor,
-                self._render_prompts(prompts),
+                texts,
                 images,
                 self._max_prompt_tokens,
                 self.sampling.pad_token_id,
                 plain=[isinstance(prompt, str) for prompt in prompts],
             ).to(self.accelerator.device)
+            if self._max_prompt_tokens is not None:  # rows with images are never cut (an error instead)
+                cut = [
+                    not row_images_ and len(ids) > self._max_prompt_tokens
+                    for row_images_, ids in zip(images, encoded.unexpanded_ids)
+                ]
+                self._report_cut_prompts(texts, cut)
         return prompts, encoded, prompt_images(encoded, images)
 
     def _generate_completions(
@@ -918,7 +939,7 @@ class TargetPOTrainer(Trainer):
                 self.accelerator.device,
                 max_positions(self.accelerator.unwrap_model(self.model)),
             )
-            clashes = (RESERVED_REWARD_ARGUMENTS | {"prompt"}) & set(extra)
+            clashes = (REWARD_ARGUMENTS | {"prompt"}) & set(extra)
             if clashes:
                 raise ValueError(
                     f"rollout_func returned extra field(s) {sorted(clashes)}, which are reward-function arguments "
@@ -984,8 +1005,9 @@ class TargetPOTrainer(Trainer):
         """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
         leave the completion room within the model's positions)."""
         conversational = not isinstance(prompts[0], str)
+        texts = self._render_prompts(prompts)
         encoded = self._tokenizer(
-            text=self._render_prompts(prompts),
+            text=texts,
             return_tensors="pt",
             padding=True,
             padding_side="left",
@@ -994,9 +1016,15 @@ class TargetPOTrainer(Trainer):
         prompt_ids = encoded["input_ids"].to(self.accelerator.device)
         prompt_mask = encoded["attention_mask"].to(self.accelerator.device)
         if self._max_prompt_tokens is not None:
+            cut = encoded["attention_mask"][:, : -self._max_prompt_tokens].any(dim=1)
+            self._report_cut_prompts(texts, cut.tolist())
             prompt_ids = prompt_ids[:, -self._max_prompt_tokens :]
             prompt_mask = prompt_mask[:, -self._max_prompt_tokens :]
         return prompt_ids, prompt_mask
+
+    def _report_cut_prompts(self, texts: list[str], cut: list[bool]) -> None:
+        """Warn once when prompts were cut to the limit, counting distinct prompts (a group repeats its prompt)."""
+        self._prompt_limit.report_cut(len({text for text, was_cut in zip(texts, cut) if was_cut}), len(set(texts)))
 
     def _render_prompts(self, prompts: list[Any]) -> list[str]:
         return render_prompts(
@@ -1071,7 +1099,7 @@ class TargetPOTrainer(Trainer):
             return texts
         completions = []
         for prompt, text in zip(prompts, texts):
-            prefix = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
+            prefix = message_text(prompt[-1]) if prompt[-1]["role"] == "assistant" else ""
             completions.append([{"role": "assistant", "content": prefix + text}])
         return completions
 

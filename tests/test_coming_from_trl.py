@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import make_config
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from test_trainer_values import few_letters
 
 from targetpo import GRPOConfig, TargetPOConfig, TargetPOTrainer
@@ -576,7 +576,17 @@ def stream_of(prompts):
     return IterableDataset.from_generator(rows)
 
 
-@pytest.mark.parametrize("make_stream", ["to_iterable_dataset", "from_generator"])
+class ReIterable:
+    """A plain iterable without a length whose every `iter()` starts again from the first row."""
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def __iter__(self):
+        return ({"prompt": prompt} for prompt in self.prompts)
+
+
+@pytest.mark.parametrize("make_stream", ["to_iterable_dataset", "from_generator", "re-iterable"])
 def test_a_streamed_train_dataset_trains_as_the_same_rows_in_order(tmp_path, tokenizer, make_stream):
     ten = PROMPTS + ["Say cow:", "Say owl:"]  # 2 prompts per rollout: the stream runs out after 5 rollouts
     runs = {}
@@ -586,7 +596,10 @@ def test_a_streamed_train_dataset_trains_as_the_same_rows_in_order(tmp_path, tok
         if kind == "map":
             dataset = mapped
         else:
-            dataset = mapped.to_iterable_dataset() if make_stream == "to_iterable_dataset" else stream_of(ten)
+            dataset = {
+                "to_iterable_dataset": mapped.to_iterable_dataset, "from_generator": lambda: stream_of(ten),
+                "re-iterable": lambda: ReIterable(ten),
+            }[make_stream]()
         seen = []
         args = make_config(tmp_path / kind, shuffle_dataset=False, per_device_train_batch_size=4,
                            steps_per_generation=2, max_steps=12, generation_kwargs=few_letters(tokenizer))
@@ -614,12 +627,87 @@ def test_a_bad_row_in_a_stream_is_named_when_it_arrives(tmp_path, tiny_model, to
 @pytest.mark.parametrize(
     ("setting", "message"),
     [(dict(async_rollouts=True, use_vllm=True, vllm_mode="server"), "async_rollouts=True needs a map-style"),
-     (dict(dataloader_num_workers=2), "dataloader_num_workers=2 with a streamed dataset")],
+     (dict(accelerator_config={"dispatch_batches": True}), "dispatch_batches=True sends batches from the main")],
 )
 def test_settings_a_stream_cannot_serve_are_refused(tmp_path, tiny_model, tokenizer, setting, message):
     with pytest.raises(ValueError, match=message):
         TargetPOTrainer(tiny_model, recording_reward([]), args=make_config(tmp_path, **setting),
                         train_dataset=stream_of(PROMPTS), processing_class=tokenizer)
+
+
+def test_async_rollouts_take_a_streamed_eval_dataset():
+    """async_rollouts reads the train dataset ahead by index; evaluation reads no rollout ahead, so a stream is fine."""
+    from targetpo.data import check_streaming_supported
+
+    args = TargetPOConfig(output_dir="unused", async_rollouts=True, use_vllm=True, vllm_mode="server",
+                          num_generations=4, per_device_train_batch_size=8, report_to="none")
+    check_streaming_supported(args, train_is_stream=False)
+    with pytest.raises(ValueError, match="async_rollouts=True needs a map-style train dataset"):
+        check_streaming_supported(args, train_is_stream=True)
+
+
+def test_a_stream_is_read_without_dataloader_workers_which_map_style_loaders_keep(tmp_path, tokenizer):
+    """TRL's behaviour: with a stream, dataloader_num_workers > 0 is a warning and the stream's loader reads in the main
+    process (a worker each would repeat every prompt); map-style loaders keep the user's worker settings."""
+    ten = PROMPTS + ["Say cow:", "Say owl:"]
+    workers = dict(dataloader_num_workers=2, dataloader_persistent_workers=True, dataloader_prefetch_factor=3)
+    runs = {}
+    for kind in ("map", "stream"):
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+        seen = []
+        args = make_config(tmp_path / kind, shuffle_dataset=False, per_device_train_batch_size=4,
+                           steps_per_generation=2, max_steps=12, generation_kwargs=few_letters(tokenizer),
+                           **(workers if kind == "stream" else {}))
+        dataset = Dataset.from_dict({"prompt": ten})
+        if kind == "map":
+            trainer = TargetPOTrainer(model, recording_reward(seen), args=args, train_dataset=dataset,
+                                      processing_class=tokenizer)
+        else:
+            with pytest.warns(UserWarning, match="dataloader_num_workers=2 does not apply to streamed datasets: each "
+                                                 "worker would read the whole stream"):
+                trainer = TargetPOTrainer(model, recording_reward(seen), args=args, train_dataset=stream_of(ten),
+                                          processing_class=tokenizer)
+            assert trainer.get_train_dataloader().num_workers == 0
+            # The user's settings still hold, and a map-style dataset's loader uses them.
+            assert {name: getattr(trainer.args, name) for name in workers} == workers
+            map_loader = trainer.get_eval_dataloader(Dataset.from_dict({"prompt": PROMPTS}))
+            assert (map_loader.num_workers, map_loader.persistent_workers, map_loader.prefetch_factor) == (2, True, 3)
+            with pytest.warns(UserWarning, match="dataloader_num_workers=2 does not apply"):
+                assert trainer.get_eval_dataloader(stream_of(PROMPTS)).num_workers == 0
+        trainer.train()
+        runs[kind] = (seen, {n: p.detach().clone() for n, p in model.named_parameters()})
+    # Every prompt once per epoch, in order (workers would have read the stream twice, each prompt twice in a row).
+    order = ten + ten[:2]
+    assert runs["stream"][0] == [[order[2 * r]] * 4 + [order[2 * r + 1]] * 4 for r in range(6)] == runs["map"][0]
+    for name, value in runs["stream"][1].items():
+        assert torch.equal(value, runs["map"][1][name]), name
+
+
+def test_a_stream_passed_to_evaluate_scores_as_the_same_rows_map_style(tmp_path, tiny_model, tokenizer):
+    """TRL's behaviour: a trainer built with map-style data evaluates a stream passed to `evaluate()`, checking it
+    when passed, with the same rows, completions and metrics as the same prompts in a map-style dataset."""
+    from transformers import set_seed
+
+    seen = []
+    args = make_config(tmp_path, per_device_eval_batch_size=8, generation_kwargs=few_letters(tokenizer))
+    trainer = TargetPOTrainer(tiny_model, recording_reward(seen), args=args,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
+    results = {}
+    # 8 prompts, 2 per batch: the last batch is whole. (With a partial one, a map-style dataset's eval_loss would
+    # weigh it by the prompts, not the completions, it holds: accelerate takes the dataset's length as the rows'.)
+    for kind, dataset in (("map", Dataset.from_dict({"prompt": PROMPTS})), ("stream", stream_of(PROMPTS))):
+        seen.clear()
+        set_seed(0)  # the same samples for both
+        metrics = trainer.evaluate(eval_dataset=dataset)
+        timings = ("runtime", "per_second", "_seconds", "preparation_time")
+        results[kind] = (list(seen), {k: v for k, v in metrics.items() if not k.endswith(timings)})
+    assert results["stream"][0] == [[PROMPTS[i]] * 4 + [PROMPTS[i + 1]] * 4 for i in range(0, 8, 2)]
+    assert results["stream"] == results["map"]
+    assert {"eval_loss", "eval_reward", "eval_reward_std"} <= set(results["stream"][1])
+    with pytest.raises(ValueError, match=r"The eval dataset has no 'prompt' column \(found \['text'\]\)"):
+        trainer.evaluate(eval_dataset=IterableDataset.from_generator(lambda: iter([{"text": "Hi"}])))
+    with pytest.raises(ValueError, match=r"eval dataset's prompt in row 5 is only whitespace"):
+        trainer.evaluate(eval_dataset=stream_of(PROMPTS[:5] + [" "] + PROMPTS[5:]))
 
 
 def constant_reward(prompts, completions, score, **kwargs):

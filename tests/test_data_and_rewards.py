@@ -1,6 +1,7 @@
 """Datasets, the repeat sampler, reward scoring and validation."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -208,6 +209,28 @@ def test_scorer_wraps_exceptions_with_the_name():
 
     with pytest.raises(ValueError, match="Reward function 'broken' raised KeyError"):
         RewardScorer(broken).score(["p"], ["c"], [[1]], {}, None, torch.device("cpu"))
+
+
+def test_scorer_names_the_missing_column_before_calling_any_function():
+    """Where the columns are known only at scoring (a rollout_func's extra fields), the check runs there."""
+    called = []
+
+    def first(completions, **kwargs):
+        called.append("first")
+        return [1.0] * len(completions)
+
+    def needs_verdict(completions, verdict, *, strict, lenient=True, **kwargs):
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([first, needs_verdict])
+    with pytest.raises(ValueError, match=re.escape(
+        "Reward function 'needs_verdict' needs the argument(s) ['verdict', 'strict'], which the rollout (its columns: "
+        "['label']) does not give."
+    )):
+        scorer.score(["p"], ["c"], [[1]], {"label": [0], "log_extra": None}, None, torch.device("cpu"))
+    assert called == []  # refused before any work
+    scores = scorer.score(["p"], ["c"], [[1]], {"verdict": [1], "strict": [True]}, None, torch.device("cpu"))
+    assert scores.tolist() == [[1.0, 1.0]]
 
 
 def test_scorer_refuses_bad_arguments(tokenizer):

@@ -152,8 +152,8 @@ def test_dataset_streaming_loads_local_splits_as_streams(tmp_path):
     [
         (["--dataset_name", "no-such-org/no-such-data", "--model_name_or_path", "no-such-org/no-such-model",
           "--reward_funcs", "exact_match"], "--dataset_streaming needs --max_steps: a stream has no length"),
-        (["--max_steps", "1", "--dataloader_num_workers", "2"],
-         "--dataset_streaming: dataloader_num_workers=2 with a streamed dataset .* Or drop --dataset_streaming"),
+        (["--max_steps", "1", "--async_rollouts", "true", "--use_vllm", "true", "--vllm_mode", "server"],
+         "--dataset_streaming: async_rollouts=True needs a map-style train dataset.* Or drop --dataset_streaming"),
     ],
 )
 def test_dataset_streaming_refuses_what_a_stream_cannot_serve_naming_the_flag(tmp_path, flags, message):

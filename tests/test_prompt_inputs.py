@@ -8,7 +8,7 @@ from datasets import Dataset
 from test_vllm import needs_vllm, reverse_config
 from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
 
-from targetpo import TargetPOTrainer
+from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm, exact_reversal_reward, reverse_task_dataset, reverse_task_tokenizer
 from targetpo.modeling import max_positions
 
@@ -20,14 +20,32 @@ def short_context_model(tokenizer):
     return build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=16, seed=0)
 
 
+def cut_warnings(caught):
+    return [str(w.message) for w in caught if "keep only their last" in str(w.message)]
+
+
 def test_prompts_keep_their_last_tokens_within_the_models_positions(tmp_path, tokenizer, short_context_model):
+    """max_prompt_length=None: prompts take what the positions leave; the first rollout that cuts one says so, once."""
     dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
-    with pytest.warns(UserWarning, match="16 positions .* prompts longer than 10 tokens keep their last 10"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is cut yet: nothing to say
         trainer = TargetPOTrainer(
             short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=None, max_steps=1),
             train_dataset=dataset, processing_class=tokenizer,
         )
-    batch = trainer._rollout([{"prompt": prompt} for prompt in PROMPTS[:2] for _ in range(4)], mode="train")
+    short = [{"prompt": prompt} for prompt in (PROMPTS[1], PROMPTS[3]) for _ in range(4)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer._rollout(short, mode="train")  # both fit: nothing is cut
+        batch = trainer._rollout([{"prompt": prompt} for prompt in PROMPTS[:2] for _ in range(4)], mode="train")
+        trainer._rollout([{"prompt": prompt} for prompt in PROMPTS[2:4] for _ in range(4)], mode="train")
+    # Once, for the first rollout that cut a prompt, counting prompts (not a group's 4 rows).
+    assert cut_warnings(caught) == [
+        "1 of the 2 prompts of a rollout are longer than 10 tokens (the model's 16 positions less "
+        "max_completion_length=6; max_prompt_length=None) and keep only their last 10. Drop or shorten such prompts "
+        "(e.g. `dataset.filter(...)` on their token count), or make room: raise max_prompt_length or lower "
+        "max_completion_length within the model's positions. Later cuts are not reported."
+    ]
     assert batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) <= 16  # prompt and completion fit
     assert batch["completion_ids"].size(1) == 6
     kept = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
@@ -36,9 +54,29 @@ def test_prompts_keep_their_last_tokens_within_the_models_positions(tmp_path, to
     assert trainer.state.global_step == 1
 
 
+def test_the_default_max_prompt_length_says_nothing_until_a_prompt_is_cut(tmp_path, tokenizer):
+    """The default max_prompt_length (512) beyond a 512-position model is no conflict of the user's: no warning for
+    a run whose prompts fit (the guess demo's), one when a prompt is cut."""
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=512, seed=0)
+    args = make_config(tmp_path, max_prompt_length=TargetPOConfig.max_prompt_length, max_completion_length=20,
+                       max_steps=1)
+    assert args.max_prompt_length + args.max_completion_length > 512
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = TargetPOTrainer(model, length_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                  processing_class=tokenizer)
+        trainer.train()
+    long_prompt = "x" * 500
+    with pytest.warns(UserWarning, match=r"^1 of the 2 prompts of a rollout are longer than 492 tokens \(the model's 512 "
+                                         r"positions less max_completion_length=20; max_prompt_length=512\)"):
+        batch = trainer._rollout([{"prompt": p} for p in (long_prompt, PROMPTS[0]) for _ in range(4)], mode="train")
+    assert tokenizer.decode(batch["prompt_ids"][0]) == long_prompt[-492:]
+
+
 def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer, short_context_model):
     dataset = Dataset.from_dict({"prompt": PROMPTS * 2})
-    with pytest.warns(UserWarning, match="keep their last 12 \\(max_prompt_length=14\\)"):
+    with pytest.warns(UserWarning, match="max_prompt_length=14 and max_completion_length=4 exceed the model's 16 "
+                                         "positions, so prompts longer than 12 tokens keep their last 12"):
         trainer = TargetPOTrainer(
             short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=14, max_completion_length=4),
             train_dataset=dataset, processing_class=tokenizer,
@@ -50,7 +88,8 @@ def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer,
             short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=8, max_completion_length=4),
             train_dataset=dataset, processing_class=tokenizer,
         )
-    ids, _ = trainer._tokenize_prompts(PROMPTS[:1])
+    with pytest.warns(UserWarning, match=r"^1 of the 1 prompts .* longer than 8 tokens \(max_prompt_length=8\)"):
+        ids, _ = trainer._tokenize_prompts(PROMPTS[:1])
     assert tokenizer.decode(ids[0]) == PROMPTS[0][-8:]
 
 
@@ -103,11 +142,11 @@ def test_vllm_colocate_engine_takes_the_fitted_prompts(tmp_path):
     tokenizer = reverse_task_tokenizer()
     model = build_tiny_causal_lm(tokenizer, max_positions=24, seed=0)
     dataset = reverse_task_dataset(length=30, num_prompts=16)  # prompts of 31 tokens
-    with pytest.warns(UserWarning, match="keep their last 18"):
-        trainer = TargetPOTrainer(
-            model, exact_reversal_reward, train_dataset=dataset, processing_class=tokenizer,
-            args=reverse_config(tmp_path, vllm_mode="colocate", max_prompt_length=None, max_steps=1),
-        )
+    trainer = TargetPOTrainer(
+        model, exact_reversal_reward, train_dataset=dataset, processing_class=tokenizer,
+        args=reverse_config(tmp_path, vllm_mode="colocate", max_prompt_length=None, max_steps=1),
+    )
     assert trainer.rollout_backend.engine.llm.llm_engine.model_config.max_model_len == 24
-    trainer.train()
+    with pytest.warns(UserWarning, match="prompts of a rollout are longer than 18 tokens .* keep only their last 18"):
+        trainer.train()
     assert trainer.state.global_step == 1

@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 import targetpo.trainer as trainer_module
 from targetpo import TargetPOTrainer
 from targetpo import functional as F
+from targetpo.demo import build_tiny_causal_lm
 
 
 def metric_names(trainer):
@@ -677,3 +678,104 @@ def test_bf16_weights_train_under_bf16_mixed_precision(tmp_path, tiny_model, tok
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert changed(before, model)
+
+
+# ------------------------------------------------------------------------------------------------ inputs refused early
+def test_a_one_shot_iterator_is_refused_before_any_row_is_read(tmp_path, tiny_model, tokenizer):
+    """A generator can be read once: the checks would consume its first rows and the next epoch would be empty."""
+    rows = ({"prompt": f"Say {word}:"} for word in ("cat", "dog", "sun", "map"))
+    for split in ("train", "eval"):
+        datasets_ = {"train_dataset": rows} if split == "train" else {"train_dataset": Dataset.from_dict(
+            {"prompt": ["Say cat:"] * 2}), "eval_dataset": rows}
+        with pytest.raises(ValueError, match=rf"The {split} dataset is a one-shot iterator \(generator\): .* "
+                                             r"`datasets.IterableDataset.from_generator\(make_rows\)`"):
+            TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path, max_steps=1), **datasets_,
+                            processing_class=tokenizer)
+    trainer = TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path, max_steps=1),
+                              train_dataset=Dataset.from_dict({"prompt": ["Say cat:"] * 2}), processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"The eval dataset is a one-shot iterator \(map\)"):
+        trainer.evaluate(eval_dataset=map(lambda word: {"prompt": word}, ["a", "b"]))
+    assert next(rows) == {"prompt": "Say cat:"}  # nothing was read from it
+
+
+#: Renders a message's content parts as their texts, one after the other (as multimodal chat templates do).
+CONTENT_PARTS_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_an_assistant_prefill_in_content_parts_is_continued_like_a_string_one(tmp_path, tokenizer):
+    """TRL's multimodal message format for the prefill: the completion joins the prefill's text, as for a string."""
+    tokenizer.chat_template = CONTENT_PARTS_TEMPLATE
+    def message(role, *texts, parts):  # an Arrow column holds one content format: all strings or all parts
+        return {"role": role, "content": [{"type": "text", "text": t} for t in texts] if parts else "".join(texts)}
+
+    received = {}
+    for kind in ("string", "parts"):
+        dataset = Dataset.from_dict({"prompt": [
+            [message("user", f"Say {word}", parts=kind == "parts"),
+             message("assistant", "The word", " is", parts=kind == "parts")]
+            for word in ("cat", "dog")
+        ]})
+        calls = received[kind] = []
+
+        def reward(prompts, completions, completion_ids, calls=calls, **kwargs):
+            calls.append((completions, completion_ids))
+            return [float(len(completion[0]["content"])) for completion in completions]
+
+        model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+        trainer = TargetPOTrainer(model, reward, args=make_config(tmp_path / kind, max_steps=1), train_dataset=dataset,
+                                  processing_class=tokenizer)
+        assert trainer._render_prompts([dataset[0]["prompt"]]) == ["<user>Say cat\n<assistant>The word is"]
+        trainer.train()
+        assert trainer.state.global_step == 1
+    for completions, completion_ids in received["parts"]:
+        assert len(completions) == 8
+        for completion, ids in zip(completions, completion_ids):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            assert completion == [{"role": "assistant", "content": "The word is" + text}]
+    assert received["parts"] == received["string"]  # same seed, same rendered prompts: the same completions
+
+
+def needs_solution(completions, solution, **kwargs):
+    return [float(completion == answer) for completion, answer in zip(completions, solution)]
+
+
+def test_a_reward_function_needing_a_missing_column_is_refused_at_construction(tmp_path, tiny_model, tokenizer,
+                                                                              prompt_dataset):
+    import functools
+    import re
+
+    def build(reward, train=prompt_dataset, **kwargs):
+        args = make_config(tmp_path, max_steps=1, **kwargs.pop("config", {}))
+        return TargetPOTrainer(tiny_model, [length_reward, reward], args=args, train_dataset=train,
+                               processing_class=tokenizer, **kwargs)
+
+    with pytest.raises(ValueError, match=re.escape(
+        "Reward function 'needs_solution' needs the argument(s) ['solution'], which the train dataset (its columns: "
+        "['answer', 'prompt']) does not give."
+    )):
+        build(needs_solution)
+    with_solution = prompt_dataset.rename_column("answer", "solution")
+    with pytest.raises(ValueError, match=re.escape("which the eval dataset (its columns: ['answer', 'prompt'])")):
+        build(needs_solution, train=with_solution, eval_dataset=prompt_dataset)
+    with pytest.raises(ValueError, match=re.escape("with remove_unused_columns=True, which keeps only the prompt")):
+        build(needs_solution, train=with_solution, config=dict(remove_unused_columns=True))
+    with pytest.raises(ValueError, match=re.escape("['solution'], which the train dataset")):  # a stream too
+        build(needs_solution, train=prompt_dataset.to_iterable_dataset())
+    # Given by the dataset, bound beforehand, or with a default: accepted, and trained on.
+    build(needs_solution, train=with_solution).train()
+    build(functools.partial(needs_solution, solution=["cat"] * 8))
+    build(lambda completions, solution=None, **kwargs: [0.0] * len(completions))
+
+
+def test_an_output_dir_that_is_a_file_is_refused_naming_output_dir(tmp_path):
+    existing = tmp_path / "results.txt"
+    existing.write_text("not a directory")
+    for output_dir in (existing, existing / "run1"):
+        with pytest.raises(ValueError, match=rf"output_dir='{output_dir}' cannot be a directory: '{existing}' is an "
+                                             "existing file"):
+            make_config(tmp_path, output_dir=str(output_dir))
+    assert make_config(tmp_path, output_dir=str(tmp_path / "new" / "run")).output_dir == str(tmp_path / "new" / "run")

@@ -1,5 +1,5 @@
 """The trainer on 2 real gloo processes: its own cross-process loss path against a single-process reference, and
-a streamed train dataset read by each process, which keeps its share of every rollout."""
+streamed train and evaluation datasets read by each process, which keeps its share of every rollout."""
 
 import pytest
 import reference as ref
@@ -9,6 +9,7 @@ from distributed_workers import NUM_GENERATIONS, tiny_model
 from test_distributed import free_port
 from trainer_workers import (
     CASES,
+    EVAL_PROMPTS,
     STREAM_CASES,
     STREAM_PROMPTS,
     full_batch,
@@ -73,7 +74,7 @@ def test_a_stream_over_two_processes_gives_each_its_share_in_order(tmp_path):
         for rank, run in enumerate(runs):
             stream, mapped = run["stream"], run["map"]
             assert stream["is_stream"] and not mapped["is_stream"]
-            assert stream["dispatch_batches"] is False  # each process reads the stream itself
+            assert not stream["dispatched"]  # each process reads the stream itself
             assert stream["global_step"] == mapped["global_step"] == max_steps
             # Process `rank` keeps the rank-th share of each rollout, as from the map-style dataset.
             own = [rollout[rank * share : (rank + 1) * share] for rollout in rollouts]
@@ -85,3 +86,13 @@ def test_a_stream_over_two_processes_gives_each_its_share_in_order(tmp_path):
         shares = zip(runs[0]["stream"]["seen"], runs[1]["stream"]["seen"])
         assert [first + second for first, second in shares] == rollouts
         assert torch.equal(runs[0]["stream"]["weights"], runs[1]["stream"]["weights"])
+    # A stream passed to evaluate() on a trainer built with map-style data: each process scores its share of every
+    # evaluation step (8 completions, 2 prompts), as from the same prompts map-style, with the same metrics.
+    for rank in range(WORLD_SIZE):
+        evaluated = torch.load(tmp_path / f"evaluate_rank{rank}.pt")
+        firsts = [EVAL_PROMPTS[4 * step + 2 * rank] for step in range(4)]
+        seconds = [EVAL_PROMPTS[4 * step + 2 * rank + 1] for step in range(4)]
+        expected = [[first] * 4 + [second] * 4 for first, second in zip(firsts, seconds)]
+        assert evaluated["stream"]["seen"] == evaluated["map"]["seen"] == expected, rank
+        assert evaluated["stream"]["metrics"] == evaluated["map"]["metrics"], rank
+        assert "eval_loss" in evaluated["stream"]["metrics"]

@@ -8,6 +8,7 @@ torch build.
 
 import contextlib
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
@@ -632,3 +633,27 @@ def test_a_rollout_func_returning_an_overlong_text_prompt_whole_beside_images_is
     with pytest.raises(ValueError, match=rf"prompt 2 \(no images\) \d+ tokens long, more than the {allowed} prompt "
                                          rf"tokens allowed .* return its last {allowed} tokens"):
         trainer._rollout([dataset[0], dataset[0], dataset[1], dataset[1]], mode="train")
+
+
+def test_a_text_only_row_cut_beside_rows_with_images_is_reported_once(tmp_path):
+    """Rows without images may be cut to the prompt limit (rows with images never are): the first cut is reported,
+    counting the distinct prompts cut."""
+    model, processor = build_tiny_vlm("gemma3")
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": "Describe."}], [{"role": "user", "content": "one two " * 30}]],
+        "image": [random_image(0), None],
+    })
+    with_image = processor(text=[processor.apply_chat_template(with_image_parts(dataset[0]["prompt"], 1, 0),
+                                                               tokenize=False, add_generation_prompt=True)],
+                           images=[[dataset[0]["image"]]], add_special_tokens=False)["input_ids"][0]
+    allowed = len(with_image) + 8  # room for the prompt with its image, not for the long text
+    args = make_config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_prompt_length=allowed)
+    trainer = TargetPOTrainer(model, letters_reward, args=args, train_dataset=dataset, processing_class=processor)
+    rows = [dataset[0], dataset[0], dataset[1], dataset[1]]
+    with pytest.warns(UserWarning, match=rf"^1 of the 2 prompts of a rollout are longer than {allowed} tokens "
+                                         rf"\(max_prompt_length={allowed}\)"):
+        _, encoded, _ = trainer._encode_prompts_with_images(rows)
+    assert int(encoded.mask[2].sum()) == allowed  # the long text keeps its last `allowed` tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        trainer._encode_prompts_with_images(rows)

@@ -91,6 +91,32 @@ def varied_reward(completions, **kwargs):
     return [float(len(set(completion))) for completion in completions]
 
 
+#: Evaluated with 8 completions per device: 4 prompts per evaluation step of the two processes together, 4 steps
+#: (16 prompts: a map-style dataset's last step is whole, see test_a_stream_passed_to_evaluate_... in
+#: test_coming_from_trl.py).
+EVAL_PROMPTS = STREAM_PROMPTS + [f"Say {word}:" for word in ("ant", "bee", "elk", "fox", "gnu", "yak")]
+
+
+def save_late_evaluations(trainer, seen, path):
+    """Evaluate the trainer (built with map-style data) on a stream passed to `evaluate()` and on the same prompts as
+    a map-style dataset, from the same seed; save the prompts this process scored and the metrics of each."""
+    from accelerate.utils import set_seed
+    from datasets import IterableDataset
+
+    def eval_stream():
+        yield from ({"prompt": prompt} for prompt in EVAL_PROMPTS)
+
+    results = {}
+    for kind, dataset in (("map", Dataset.from_dict({"prompt": EVAL_PROMPTS})),
+                          ("stream", IterableDataset.from_generator(eval_stream))):
+        seen.clear()
+        set_seed(0, device_specific=True)
+        metrics = trainer.evaluate(eval_dataset=dataset)
+        timings = ("runtime", "per_second", "_seconds", "preparation_time")
+        results[kind] = {"seen": list(seen), "metrics": {k: v for k, v in metrics.items() if not k.endswith(timings)}}
+    torch.save(results, path)
+
+
 def stream_share_worker(rank, world_size, port, out_dir):
     """In a 2-process gloo world, for each case: train once on a map-style dataset (in order) and once on a stream of
     the same prompts, and save the prompts this process's reward function saw per rollout and the final weights."""
@@ -133,12 +159,14 @@ def stream_share_worker(rank, world_size, port, out_dir):
                 {
                     "seen": seen,
                     "is_stream": isinstance(trainer.train_dataset, IterableDataset),
-                    "dispatch_batches": trainer.args.accelerator_config.dispatch_batches,
+                    "dispatched": type(trainer.get_train_dataloader()).__name__ == "DataLoaderDispatcher",
                     "global_step": trainer.state.global_step,
                     "initial": initial,
                     "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
                 },
                 os.path.join(out_dir, f"{name}_{kind}_rank{rank}.pt"),
             )
+            if kind == "map" and name == STREAM_CASES[0][0]:
+                save_late_evaluations(trainer, seen, os.path.join(out_dir, f"evaluate_rank{rank}.pt"))
     torch.distributed.barrier()
     os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
