@@ -43,3 +43,18 @@ def script_one_bit_turns(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
     ids = [tokenizer.convert_tokens_to_ids(token) for token in "=01"]
     return place_tokens(model, {ids[0]: (1.0, 0.0), ids[1]: (0.0, 1.0), ids[2]: (0.0, 1.0),
                                 tokenizer.eos_token_id: (-2.0, 3.0)})
+
+
+def script_ended_or_cut(model: torch.nn.Module, tokenizer, ending: str, running: str) -> torch.nn.Module:
+    """Completions of a prompt ending in ``:`` that either end or run on to the length limit: the first token is one
+    of ``ending`` or ``running`` (the model's own choice among them, about evenly), then ``<eos>`` follows an
+    ``ending`` token and the same kind of token follows a ``running`` one, each with probability 1 - e^-25 or more.
+
+    ``:`` at (1, 1), ``ending`` at (0, 1), ``running`` at (1, 0), ``<eos>`` at (-3, 2): after ``:`` the letters tie
+    at 25/sqrt(2) and ``<eos>`` scores -25/sqrt(2); after an ending letter ``<eos>`` scores 50 and the letters 25 or
+    0; after a running letter the running letters score 25, the ending ones 0 and ``<eos>`` -75.
+    """
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in ":" + ending + running}
+    points = {ids[":"]: (1.0, 1.0), tokenizer.eos_token_id: (-3.0, 2.0)}
+    points |= {ids[token]: (0.0, 1.0) for token in ending} | {ids[token]: (1.0, 0.0) for token in running}
+    return place_tokens(model, points)

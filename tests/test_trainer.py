@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import changed, count_letters_reward, length_reward, letters_then_position_reward, make_config, snapshot
 from datasets import Dataset
+from scripted_policies import script_ended_or_cut
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 import targetpo.trainer as trainer_module
@@ -494,8 +495,10 @@ def test_truncated_completions_are_invalid_when_masked(tmp_path, tiny_model, tok
         return loss
 
     monkeypatch.setattr(TargetPOTrainer, "_target_loss", recording)
-    # Only 'a' and EOS may be sampled, so some completions end early and the others hit the 3-token limit.
-    allowed = {tokenizer.convert_tokens_to_ids("a"), tokenizer.eos_token_id}
+    # Only 'a', 'b' and EOS may be sampled, and the script makes "a" end and "b" run on to the 3-token limit: each
+    # completion is one or the other about evenly, so 24 of them are all one kind with probability 1e-7.
+    script_ended_or_cut(tiny_model, tokenizer, ending="a", running="b")
+    allowed = {tokenizer.convert_tokens_to_ids(token) for token in "ab"} | {tokenizer.eos_token_id}
     args = make_config(
         tmp_path, max_completion_length=3, mask_truncated_completions=True, max_steps=3,
         generation_kwargs={"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]},

@@ -16,6 +16,7 @@ import reference as ref
 import torch
 from conftest import make_config
 from datasets import Dataset
+from scripted_policies import script_ended_or_cut
 
 from targetpo import TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm
@@ -28,6 +29,26 @@ ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_at
 def letter_score(completions, **kwargs):
     """A dense reward: almost every group's completions score differently."""
     return [float(sum(ord(character) % 5 for character in text)) for text in completions]
+
+
+def distinct_letter_score(completions, **kwargs):
+    """letter_score plus the row's position over the batch size: integers apart by less than 1, so the scores differ
+    within every group whatever was sampled."""
+    return [score + index / len(completions) for index, score in enumerate(letter_score(completions))]
+
+
+def two_at_the_group_mean(completions, **kwargs):
+    """0, 1, 1, 2 by place in each group of 4: two members of every group at its mean (u = 0)."""
+    return [float((0, 1, 1, 2)[index % 4]) for index in range(len(completions))]
+
+
+def ended_or_cut_model(tokenizer):
+    """The tiny model scripted so that each completion of few_letters' sampling is "a", "c" or "e" then EOS (valid),
+    or runs on "b"s to the length limit (cut off, invalid when truncated completions are masked): about 3 in 4 end.
+    Which comes is still sampled, so a group of 4 has 2 or more valid members with probability 0.95 and a step of
+    4 groups trains with probability 1 - 7e-6; 32 completions are all valid with probability 1e-4."""
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    return script_ended_or_cut(model, tokenizer, ending="ace", running="b")
 
 
 @dataclass
@@ -252,6 +273,9 @@ def few_letters(tokenizer):
 )
 def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, tokenizer, monkeypatch, settings):
     settings = {"max_steps": 2, "generation_kwargs": few_letters(tokenizer), **settings}
+    if settings.get("mask_truncated_completions"):
+        # Forced: both valid and invalid members, and scores that differ, so every step trains.
+        settings |= dict(model=ended_or_cut_model(tokenizer), score=distinct_letter_score)
     run = train_and_record(tmp_path, tokenizer, monkeypatch, **settings)
     for step in range(run.trainer.state.global_step):
         expected = reference_step(run, step)
@@ -259,8 +283,9 @@ def test_each_sgd_step_is_minus_lr_times_the_hand_built_tpo_gradient(tmp_path, t
         assert logged(run, step, "entropy") == pytest.approx(sum(expected["entropy"]) / len(expected["entropy"]), rel=1e-5)
         assert logged(run, step, "loss") == pytest.approx(sum(expected["loss"]) / len(expected["loss"]), rel=1e-4)
     if settings.get("mask_truncated_completions"):
-        completions = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
-        assert not completions.any(1).all(), "the run must have invalid members to test"
+        # Rollouts may be padded to different lengths: each row's validity first.
+        valid = torch.cat([tensors["completion_mask"].any(1) for _, tensors in run.rollouts])
+        assert not valid.all(), "the run must have invalid members to test"
 
 
 @pytest.mark.parametrize("loss_type", ["tpo", "grpo"])
@@ -398,8 +423,8 @@ def test_tokens_out_of_the_loss_mask_get_no_gradient_and_fully_masked_completion
         # The rollout's training mask is the backend's loss mask, worked out here from the completions alone.
         made = Completions(tensors["completion_ids"], tensors["completion_attention_mask"], torch.zeros(0))
         assert torch.equal(tensors["completion_mask"], tool_free(made, letter_a))
-    masks = torch.cat([tensors["completion_mask"] for _, tensors in run.rollouts])
-    assert not masks.any(1).all(), "some completions must be wholly tool-written (invalid) to test"
+    valid = torch.cat([tensors["completion_mask"].any(1) for _, tensors in run.rollouts])  # lengths may differ
+    assert not valid.all(), "some completions must be wholly tool-written (invalid) to test"
     initial = run.step_weights[0]
     for step in range(2):
         assert_step_matches(run, step, reference_step(run, step, reference_model=initial))
@@ -439,9 +464,9 @@ def test_peft_reference_is_the_adapter_free_base_and_kl_trains_the_adapters(tmp_
 
 def test_grpo_steps_use_the_rollout_log_probs_and_clip(tmp_path, tokenizer, monkeypatch):
     run = train_and_record(
-        tmp_path, tokenizer, monkeypatch, loss_type="grpo", num_iterations=2, max_steps=2, learning_rate=20.0,
+        tmp_path, tokenizer, monkeypatch, loss_type="grpo", num_iterations=2, max_steps=2, learning_rate=2.0,
         epsilon=0.05, generation_kwargs=few_letters(tokenizer),
-    )
+    )  # at 2 half the second step's tokens clip; at 20 nearly all can, leaving it no gradient to compare
     first, second = reference_step(run, 0), reference_step(run, 1)
     assert first["clipped"] == [0.0]  # at the rollout's weights every ratio is 1
     assert second["clipped"][0] > 0.05, "the second epoch must clip some tokens for this test to mean anything"
@@ -456,13 +481,15 @@ def test_grpo_steps_use_the_rollout_log_probs_and_clip(tmp_path, tokenizer, monk
         dict(loss_type="dapo", steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2, max_steps=2),
         # A rollout serves two optimiser steps: each divides by half the rollout's tokens.
         dict(loss_type="dapo", steps_per_generation=2, num_iterations=2, max_steps=4),
-        # Few distinct scores: members at their group's mean (u = 0) are left out, and bnpo still counts their tokens.
-        dict(loss_type="bnpo", num_iterations=2, epsilon_high=0.1, score=lambda texts: [float(t.count("c") % 2) for t in texts]),
+        # Members at their group's mean (u = 0) are left out, whatever was sampled, and bnpo still counts their tokens.
+        dict(loss_type="bnpo", num_iterations=2, epsilon_high=0.1, score=two_at_the_group_mean),
         dict(loss_type="dr_grpo", num_iterations=2, delta=1.06),  # two-sided clipping
         dict(loss_type="cispo", num_iterations=2, epsilon_high=1.02),
         dict(loss_type="sapo", num_iterations=2, sapo_temperature_neg=2.0),
-        dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence"),
-        dict(loss_type="vespo", num_iterations=2),
+        # A smaller step for these two: at 5 the second epoch can be so far off-policy that every completion is
+        # clipped (luspo) or weighted to nothing (vespo), leaving no gradient to compare.
+        dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence", learning_rate=1.0),
+        dict(loss_type="vespo", num_iterations=2, learning_rate=1.0),
         dict(loss_type="grpo", num_iterations=2, importance_sampling_level="sequence"),  # GSPO
     ],
     ids=["dapo-step-spans-rollout", "dapo-rollout-spans-steps", "bnpo", "dr_grpo-two-sided", "cispo", "sapo", "luspo", "vespo",
@@ -488,8 +515,10 @@ def test_each_grpo_family_step_is_minus_lr_times_the_hand_built_gradient(tmp_pat
 
 def test_logged_metrics_match_their_definitions(tmp_path, tokenizer, monkeypatch):
     """Each rollout and target metric of a real run, recomputed from what the run sampled and scored."""
+    # Forced: every step has valid and (with high probability) invalid members, and groups that train (4 a step).
     run = train_and_record(
-        tmp_path, tokenizer, monkeypatch, max_steps=3, mask_truncated_completions=True, max_completion_length=3,
+        tmp_path, tokenizer, monkeypatch, model=ended_or_cut_model(tokenizer), score=distinct_letter_score,
+        max_steps=3, per_device_train_batch_size=16, mask_truncated_completions=True, max_completion_length=3,
         generation_kwargs=few_letters(tokenizer),
     )
     K = run.trainer.args.num_generations
