@@ -296,7 +296,7 @@ def test_a_generation_kwargs_temperature_is_the_one_rollouts_and_every_log_prob_
     log-probs, p_old, q, the ratios (a second epoch) and so every gradient are those at 0.5, built by hand."""
     generation_kwargs = {**few_letters(tokenizer), "temperature": 0.5}
     run = train_and_record(
-        tmp_path, tokenizer, monkeypatch, loss_type=loss_type, max_steps=2, num_iterations=2, learning_rate=5.0,
+        tmp_path, tokenizer, monkeypatch, loss_type=loss_type, max_steps=2, num_iterations=2, learning_rate=2.0,
         generation_kwargs=generation_kwargs,
     )
     trainer = run.trainer
