@@ -295,15 +295,20 @@ def test_sync_ref_model_needs_a_reference_copy(tmp_path, tiny_model, tokenizer, 
                         processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
 
 
-def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_path, tokenizer, prompt_dataset):
+def tiny_bf16_qwen2(tokenizer, tie_word_embeddings):
+    """A one-layer Qwen2 in bf16, its output head tied to the input embeddings or not."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_path, tokenizer, prompt_dataset):
+    model = tiny_bf16_qwen2(tokenizer, tie_word_embeddings=False)
     reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
     args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer))
     trainer = TargetPOTrainer(model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
@@ -334,14 +339,7 @@ def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_pat
 def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf16_weight(
     tmp_path, tokenizer, prompt_dataset
 ):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = tiny_bf16_qwen2(tokenizer, tie_word_embeddings=True)
     embeddings = model.model.embed_tokens.weight
     reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
     args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer),
