@@ -7,8 +7,8 @@ local SQLite database. Both are real: nothing is mocked.
 
 import json
 import math
-import re
 import sqlite3
+import struct
 import time
 from pathlib import Path
 
@@ -81,22 +81,47 @@ def test_wandb_gets_the_metrics_and_one_completions_table_per_rollout(tmp_path, 
         columns = [list(column) for column in zip(*table["data"])]
         tables.append(dict(zip(table["columns"], columns)))
     assert_tables(tables, seen)
-    # The metrics (transformers' callback logs them; offline, wandb has no reader for its run file): each history
-    # item is a protobuf pair of key and JSON value.
+    # The metrics, as transformers' callback logged them (offline, wandb keeps them only in its run file).
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    history = wandb_history(next(run.glob("run-*.wandb")))
     for name in ("reward", "tpo/informative_group_fraction", "completions/mean_length"):
-        values = {round(value, 5) for value in wandb_history(run, f"train/{name}")}
-        assert values == {round(entry[name], 5) for entry in logged}, name
+        values = [round(float(step[f"train/{name}"]), 5) for step in history if f"train/{name}" in step]
+        assert values == [round(entry[name], 5) for entry in logged], name
 
 
-def wandb_history(run, key, timeout=30):
-    """The values logged under ``key`` in an offline wandb run's file, once wandb's service has written them."""
-    pattern = rb"\x12" + re.escape(bytes([len(key)]) + key.encode()) + rb"\x82\x01.([^\x00-\x1f]+)"
+def wandb_history(path, timeout=30):
+    """The history rows of an offline wandb run file, each a dict of key to JSON text, read once wandb's service has
+    written the run's exit record.
+
+    The file is a LevelDB-style log (wandb has no public reader for it): a 7-byte wandb header, then 32 KiB blocks of
+    chunks, each a 7-byte header (crc32, little-endian length, kind: 1 whole, 2 first, 3 middle, 4 last) and its
+    bytes; the joined chunks of a record are one of wandb's own protobuf ``Record`` messages.
+    """
+    from wandb.proto.wandb_internal_pb2 import Record
+
     deadline = time.monotonic() + timeout
-    path = next(run.glob("run-*.wandb"))
-    while not (found := re.findall(pattern, path.read_bytes())) and time.monotonic() < deadline:
+    while True:
+        records, data, position, pending = [], path.read_bytes(), 7, b""
+        while position + 7 <= len(data):
+            if (room := 32768 - position % 32768) < 7:  # a block's tail too short for a header is padding
+                position += room
+                continue
+            _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+            if kind == 0:
+                break
+            pending += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if kind in (1, 4):
+                records.append(Record.FromString(pending))
+                pending = b""
+        if any(record.HasField("exit") for record in records) or time.monotonic() > deadline:
+            break
         time.sleep(0.2)
-    return [float(value) for value in found]
+    return [
+        {item.key or ".".join(item.nested_key): item.value_json for item in record.history.item}
+        for record in records
+        if record.HasField("history")
+    ]
 
 
 def test_trackio_gets_the_metrics_and_one_completions_table_per_rollout_at_the_metrics_step(tmp_path, monkeypatch):
