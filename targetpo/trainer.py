@@ -115,6 +115,7 @@ from .reporting import (
     push_completions_table,
 )
 from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardLogs, RewardScorer
+from .rollout.records import RolloutBatch
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
     IMAGE_COLUMNS,
@@ -130,13 +131,9 @@ from .vision import (
     with_image_parts,
 )
 
-Batch = dict[str, Any]
 #: Files a checkpoint holds beside the Trainer's: the adaptive entropy coefficient, and the synced reference model.
 ENTROPY_STATE_FILE = "entropy_coefficient.json"
 REFERENCE_FILE = "reference_model.safetensors"
-#: Batch keys of prompts with images: each row's per-image inputs (a list), and per-token extras under this prefix.
-PIXEL_INPUTS = "pixel_inputs"
-PROMPT_ALIGNED = "prompt_aligned/"
 
 #: The rollout's score statistics (``F.rollout_diagnostics``) and the names they are logged under.
 ROLLOUT_DIAGNOSTICS = {
@@ -457,7 +454,7 @@ class TargetPOTrainer(Trainer):
         self._upcoming: _UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
         if args.async_rollouts:
             self.add_callback(_PushWeightsWhileGenerating(self))
-        self._buffer: list[Batch] | None = None
+        self._buffer: list[RolloutBatch] | None = None
         self._rollout_count = 0
         # Each metric's values since the last log, as a running mean (bounded when nothing logs).
         self._metrics: dict[str, dict[str, RunningMean]] = {
@@ -650,7 +647,7 @@ class TargetPOTrainer(Trainer):
         self._async_runner.close()
 
     # ------------------------------------------------------------------------------------------------ rollout
-    def _prepare_inputs(self, rows: list[dict[str, Any]]) -> Batch:
+    def _prepare_inputs(self, rows: list[dict[str, Any]]) -> RolloutBatch:
         if not self.model.training:
             return self._rollout(rows, mode="eval")
         # The sampler tagged which use of its rollout this batch is: use 0 starts a new rollout (and so does a resumed
@@ -660,13 +657,13 @@ class TargetPOTrainer(Trainer):
         rows = [{key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW)} for row in rows]
         if self._buffer is None or use == 0:
             rollout = self._rollout(rows, mode="train")
-            self._buffer = _split_rows(rollout, self.args.per_device_train_batch_size)
+            self._buffer = rollout.step_batches(self.args.per_device_train_batch_size)
         if use == self._lookahead_use and upcoming[0] is not None:
             self._start_upcoming_rollout(upcoming)
         return self._buffer[use % self.args.steps_per_generation]
 
     @torch.no_grad()
-    def _rollout(self, rows: list[dict[str, Any]], mode: str) -> Batch:
+    def _rollout(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
         """Generate, score and whiten one rollout; record old/reference log-probs and q where they are needed."""
         device = self.accelerator.device
         args = self.args
@@ -746,20 +743,19 @@ class TargetPOTrainer(Trainer):
         scores_all = self._combine_rewards(scores_per_func_all)
         advantages_all = self._advantages(scores_per_func_all, scores_all, valid_all, mode)
 
-        batch: Batch = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completions.ids,
-            "completion_attention_mask": completions.attention_mask,
-            "completion_mask": completion_mask,
-            "valid": valid,
-            "scores": scores_all[local],
-            "advantages": advantages_all[local],
-            "sample_index": torch.arange(local.start, local.stop, device=device),
-        }
-        if pixel_inputs is not None:
-            batch[PIXEL_INPUTS] = pixel_inputs
-            batch.update({PROMPT_ALIGNED + key: value for key, value in token_aligned.items()})
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completions.ids,
+            completion_attention_mask=completions.attention_mask,
+            completion_mask=completion_mask,
+            valid=valid,
+            scores=scores_all[local],
+            advantages=advantages_all[local],
+            sample_index=torch.arange(local.start, local.stop, device=device),
+            pixel_inputs=pixel_inputs,
+            prompt_aligned=token_aligned if pixel_inputs is not None else {},
+        )
         if completions.sampler_logps is not None:
             batch["sampler_per_token_logps"] = completions.sampler_logps
         if args.loss_type in F.TOKEN_NORMALIZED_LOSSES:
@@ -1136,23 +1132,18 @@ class TargetPOTrainer(Trainer):
         start = self.accelerator.process_index * local_size
         return slice(start, start + local_size)
 
-    def _batched_logps(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+    def _batched_logps(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """Per-token completion log-probs of a whole rollout, a training micro-batch at a time."""
         chunk = self.args.per_device_train_batch_size
         parts = []
-        for start in range(0, batch["completion_ids"].size(0), chunk):
-            part = {
-                key: value[start : start + chunk]
-                for key, value in batch.items()
-                if torch.is_tensor(value) or key == PIXEL_INPUTS
-            }
-            parts.append(self._token_logps(model, part)[0])
+        for start in range(0, len(batch), chunk):
+            parts.append(self._token_logps(model, batch.rows(slice(start, start + chunk)))[0])
         return torch.cat(parts)
 
     def _token_logps(
         self,
         model: nn.Module,
-        batch: Batch,
+        batch: RolloutBatch,
         with_entropy: bool = False,
         rows: torch.Tensor | None = None,
         entropy_grad: bool = False,
@@ -1176,15 +1167,11 @@ class TargetPOTrainer(Trainer):
             selected = lengths.argmin().reshape(1)
         inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
         image_inputs, prompt_aligned = None, None
-        if PIXEL_INPUTS in batch:  # prompts with images: the rows' pixels, and the per-token extras of their prompts
-            pixel_rows = (
-                batch[PIXEL_INPUTS] if selected is None else [batch[PIXEL_INPUTS][i] for i in selected.tolist()]
-            )
+        if batch.pixel_inputs is not None:  # prompts with images: the rows' pixels, and their prompts' per-token extras
+            pixel_rows = batch.pixel_inputs if selected is None else [batch.pixel_inputs[i] for i in selected.tolist()]
             image_inputs = collate_pixel_inputs(pixel_rows)
             prompt_aligned = {
-                key[len(PROMPT_ALIGNED) :]: value if selected is None else value[selected]
-                for key, value in batch.items()
-                if key.startswith(PROMPT_ALIGNED)
+                key: value if selected is None else value[selected] for key, value in batch.prompt_aligned.items()
             }
         results = completion_logps(
             model,
@@ -1212,7 +1199,7 @@ class TargetPOTrainer(Trainer):
         entropies = entropies.new_zeros(shape).index_copy(0, selected, entropies) if entropies is not None else None
         return logps, entropies
 
-    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+    def _reference_logps(self, batch: RolloutBatch) -> torch.Tensor:
         if self.ref_model is not None:
             return self._batched_logps(self.ref_model, batch)
         with self.accelerator.unwrap_model(self.model).disable_adapter():
@@ -1222,12 +1209,14 @@ class TargetPOTrainer(Trainer):
     def compute_loss(
         self,
         model: nn.Module,
-        inputs: Batch,
+        inputs: RolloutBatch,
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         if return_outputs:
             raise ValueError("TargetPOTrainer.compute_loss does not return model outputs.")
+        if not isinstance(inputs, RolloutBatch):  # a batch built by hand, keyed by the record's names
+            inputs = RolloutBatch.from_mapping(inputs)
         mode = "train" if model.training else "eval"
         args = self.args
         rows = self._rows_to_train(inputs, mode)
@@ -1304,7 +1293,7 @@ class TargetPOTrainer(Trainer):
                 "or use bf16/fp32 instead of fp16."
             )
 
-    def _rows_to_train(self, inputs: Batch, mode: str) -> torch.Tensor | None:
+    def _rows_to_train(self, inputs: RolloutBatch, mode: str) -> torch.Tensor | None:
         """The step batch's rows whose gradient can be non-zero (``F.rows_with_gradient``); None: every row."""
         if mode != "train" or "rows_with_gradient" not in inputs:
             return None
@@ -1313,7 +1302,7 @@ class TargetPOTrainer(Trainer):
         return inputs["rows_with_gradient"]
 
     def _target_loss(
-        self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor, valid: torch.Tensor, mode: str
+        self, per_token_logps: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
     ) -> torch.Tensor:
         """Cross-entropy to q over whole groups, gathering the step batch when its groups span processes."""
         args = self.args
@@ -1338,7 +1327,7 @@ class TargetPOTrainer(Trainer):
         return F.tpo_loss(sequence_logps_all, targets_all, self._group_size(mode), valid_all)
 
     def _trained_token_weights(
-        self, per_token_logps: torch.Tensor, entropies: torch.Tensor, inputs: Batch, mask: torch.Tensor
+        self, per_token_logps: torch.Tensor, entropies: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor
     ) -> torch.Tensor | None:
         """0/1 weights of the tokens the policy loss trains on (``top_entropy_quantile``, ``off_policy_mask_threshold``);
         None: all of them."""
@@ -1363,7 +1352,7 @@ class TargetPOTrainer(Trainer):
         return weights
 
     def _entropy_bonus_term(
-        self, entropies: torch.Tensor, inputs: Batch, mask: torch.Tensor, trained_tokens: torch.Tensor | None, mode: str
+        self, entropies: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor, trained_tokens: torch.Tensor | None, mode: str
     ) -> torch.Tensor:
         """``coefficient x`` the mean token entropy over the tokens the policy loss trains on.
 
@@ -1401,7 +1390,7 @@ class TargetPOTrainer(Trainer):
     def _policy_gradient_loss(
         self,
         per_token_logps: torch.Tensor,
-        inputs: Batch,
+        inputs: RolloutBatch,
         mask: torch.Tensor,
         mode: str,
         trained_tokens: torch.Tensor | None = None,
@@ -1458,7 +1447,7 @@ class TargetPOTrainer(Trainer):
         if means.numel() > 0:
             self._metrics[mode][name].append((means.min() if extreme == "min" else means.max()).item())
 
-    def _importance_weights(self, per_token_logps: torch.Tensor, inputs: Batch, mask: torch.Tensor) -> torch.Tensor:
+    def _importance_weights(self, per_token_logps: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
         """Token weights ``p_trainer / p_vllm`` of a step batch, bounded as ``vllm_importance_sampling_mode`` says,
         computed once and kept.
 
@@ -1553,7 +1542,7 @@ class TargetPOTrainer(Trainer):
         if lowest < math.inf:  # no token at all when a step skips every completion
             self._metrics["train"]["vllm/importance_weight_min"].append(lowest)
 
-    def _record_targets(self, batch: Batch, mode: str, valid: torch.Tensor | None = None) -> None:
+    def _record_targets(self, batch: RolloutBatch, mode: str, valid: torch.Tensor | None = None) -> None:
         """The paper's diagnostics of a freshly built q over all processes, and q itself for the completions table.
 
         ``valid`` narrows both to the rows whose q was built (a step that leaves rows out builds no q for them).
@@ -1639,20 +1628,6 @@ def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method``, without keeping its object alive."""
     reference = weakref.WeakMethod(method)
     return lambda *args, **kwargs: reference()(*args, **kwargs)
-
-
-def _split_rows(batch: Batch, rows_per_step: int) -> list[Batch]:
-    """Cut a rollout into step batches of ``rows_per_step`` rows; whole groups stay together (rows are contiguous)."""
-    total = batch["completion_ids"].size(0)
-    steps = []
-    for start in range(0, total, rows_per_step):
-        steps.append(
-            {
-                key: value[start : start + rows_per_step] if torch.is_tensor(value) or key == PIXEL_INPUTS else value
-                for key, value in batch.items()
-            }
-        )
-    return steps
 
 
 class _UpcomingRollout:

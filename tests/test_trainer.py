@@ -15,6 +15,7 @@ import targetpo.trainer as trainer_module
 from targetpo import TargetPOTrainer
 from targetpo import functional as F
 from targetpo.demo import build_tiny_causal_lm
+from targetpo.rollout.records import RolloutBatch
 
 
 def metric_names(trainer):
@@ -599,7 +600,9 @@ def test_completions_without_gradient_are_left_out_exactly(tmp_path, tiny_model,
     assert torch.equal(rows, cat & (batch["advantages"] != 0) if loss_type == "grpo" else cat)
     assert rows.any() and not rows.all()
 
-    everything = {key: value for key, value in batch.items() if not key.startswith("rows_with_gradient")}
+    everything = RolloutBatch.from_mapping(
+        {key: value for key, value in batch.items() if not key.startswith("rows_with_gradient")}
+    )
     counter = _RowCounter(monkeypatch)
     skipped_loss, skipped_grads = _loss_and_gradients(trainer, batch)
     full_loss, full_grads = _loss_and_gradients(trainer, everything)

@@ -1,0 +1,143 @@
+"""What a rollout holds, and what one step batch of it may cache across ``num_iterations``.
+
+A :class:`RolloutBatch` is one process's rows of a rollout (or of one step batch cut from it): a row is one completion
+of one prompt, and rows of a group are contiguous. It also reads and writes like a dict under the names TRL's GRPO
+trainer gives the same tensors (``inputs["advantages"]``, ``inputs["completion_mask"]``, ...), so code written
+against those names, a ``compute_loss`` override included, keeps working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Keys under which per-token extras of prompts with images are read and written one by one.
+PROMPT_ALIGNED = "prompt_aligned/"
+
+
+@dataclass
+class StepCache:
+    """What the first use of a step batch computes and its later uses (``num_iterations``) reuse: every use then fits
+    the same ``q`` and applies the same importance weights, whatever the weights have become."""
+
+    targets: torch.Tensor | None = None  # q of the rows: built at rollout, or by the step batch's first use
+    importance_weights: torch.Tensor | None = None  # p_trainer / p_sampler per token, bounded
+
+    def rows(self, index: slice) -> StepCache:
+        return StepCache(*(None if value is None else value[index] for value in dataclasses.astuple(self)))
+
+
+@dataclass
+class RolloutBatch:
+    """One process's rows of a rollout, or of one step batch of it."""
+
+    prompt_ids: torch.Tensor  # (rows, prompt tokens), left-padded
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # (rows, completion tokens), right-padded
+    completion_attention_mask: torch.Tensor  # the tokens the model reads (tool results included)
+    completion_mask: torch.Tensor  # the tokens the loss trains (the policy's own, of valid completions)
+    valid: torch.Tensor  # (rows,) bool: completions the loss counts
+    scores: torch.Tensor  # (rows,) combined rewards
+    advantages: torch.Tensor  # (rows,) u: the scores whitened within their group
+    sample_index: torch.Tensor  # (rows,) each row's place in the whole rollout, over every process
+    rollout: int = 0  # which rollout of the run (1, 2, ...)
+    # Prompts with images: each row's per-image model inputs, and per-token extras of the prompt (by name).
+    pixel_inputs: list[Any] | None = None
+    prompt_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per-token log-probs of the completions: the sampler's (vLLM), the policy's at rollout time (when the weights
+    # move before the rollout is trained on), the reference model's (beta > 0).
+    sampler_per_token_logps: torch.Tensor | None = None
+    old_per_token_logps: torch.Tensor | None = None
+    ref_per_token_logps: torch.Tensor | None = None
+    # The token-normalised losses' divisor: one optimiser step's tokens over every process, per micro-step share.
+    loss_token_count: float | None = None
+    # skip_zero_gradient_completions: the rows whose gradient can be non-zero, while the weights are still the
+    # rollout's (the optimiser step ``rollout_step``) and afterwards.
+    rollout_step: int | None = None
+    rows_with_gradient_at_rollout: torch.Tensor | None = None
+    rows_with_gradient: torch.Tensor | None = None
+    cache: StepCache = field(default_factory=StepCache)
+
+    def __len__(self) -> int:
+        return self.completion_ids.size(0)
+
+    def rows(self, index: slice) -> RolloutBatch:
+        """The rows in ``index`` (whole groups, for a step batch); the rollout-wide values are shared."""
+        cut = {}
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if torch.is_tensor(value) or spec.name == "pixel_inputs" and value is not None:
+                value = value[index]
+            elif spec.name == "prompt_aligned":
+                value = {key: tensor[index] for key, tensor in value.items()}
+            elif spec.name == "cache":
+                value = value.rows(index)
+            cut[spec.name] = value
+        return RolloutBatch(**cut)
+
+    def step_batches(self, rows_per_step: int) -> list[RolloutBatch]:
+        """Cut into step batches of ``rows_per_step`` rows, each with its own cache."""
+        return [self.rows(slice(start, start + rows_per_step)) for start in range(0, len(self), rows_per_step)]
+
+    @classmethod
+    def from_mapping(cls, inputs: Mapping[str, Any]) -> RolloutBatch:
+        """A batch from a dict keyed by the names this class reads as (e.g. one built by hand for ``compute_loss``)."""
+        batch = cls(**{name: inputs[name] for name in _REQUIRED})
+        for key, value in inputs.items():
+            if key not in _REQUIRED:
+                batch[key] = value
+        return batch
+
+    # --- read and written like a dict, under TRL's names -----------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        value = self._lookup(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in _CACHED:
+            setattr(self.cache, key, value)
+        elif key.startswith(PROMPT_ALIGNED):
+            self.prompt_aligned[key[len(PROMPT_ALIGNED) :]] = value
+        elif key in _FIELDS:
+            setattr(self, key, value)
+        else:
+            raise KeyError(f"{key!r} is not a rollout field; the fields are {sorted(_FIELDS | _CACHED)}.")
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._lookup(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._lookup(key)
+        return default if value is None else value
+
+    def keys(self) -> Iterator[str]:
+        names = [name for name in _FIELDS if name not in ("cache", "prompt_aligned")] + sorted(_CACHED)
+        yield from (name for name in names if name in self)
+        yield from (PROMPT_ALIGNED + name for name in self.prompt_aligned)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return ((key, self[key]) for key in self.keys())
+
+    def _lookup(self, key: str) -> Any:
+        if key in _CACHED:
+            return getattr(self.cache, key)
+        if key.startswith(PROMPT_ALIGNED):
+            return self.prompt_aligned.get(key[len(PROMPT_ALIGNED) :])
+        if key in _FIELDS and key not in ("cache", "prompt_aligned"):
+            return getattr(self, key)
+        return None
+
+
+_FIELDS = {spec.name for spec in dataclasses.fields(RolloutBatch)}
+_REQUIRED = [
+    spec.name
+    for spec in dataclasses.fields(RolloutBatch)
+    if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
+]
+_CACHED = {spec.name for spec in dataclasses.fields(StepCache)}
