@@ -22,7 +22,6 @@ import os
 import time
 import warnings
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +77,7 @@ from .generation import (
     close_at_exit,
     unpadded_prompts,
 )
+from .metrics import MetricsRecorder
 from .modeling import (
     PromptLimit,
     apply_peft,
@@ -109,7 +109,6 @@ from .multi_turn import (
 )
 from .reporting import (
     RolloutTable,
-    RunningMean,
     log_completions_to_trackers,
     print_completions_table,
     push_completions_table,
@@ -457,10 +456,7 @@ class TargetPOTrainer(Trainer):
         self._buffer: list[RolloutBatch] | None = None
         self._rollout_count = 0
         # Each metric's values since the last log, as a running mean (bounded when nothing logs).
-        self._metrics: dict[str, dict[str, RunningMean]] = {
-            "train": defaultdict(RunningMean),
-            "eval": defaultdict(RunningMean),
-        }
+        self._metrics = MetricsRecorder(self.accelerator)
         self._completion_table: RolloutTable | None = None
         self._pushed_rollout: int | None = None  # the last rollout pushed to log_completions_hub_repo
         self._warned_unscored = False
@@ -758,17 +754,36 @@ class TargetPOTrainer(Trainer):
         )
         if completions.sampler_logps is not None:
             batch["sampler_per_token_logps"] = completions.sampler_logps
+        self._finish_rollout(batch, advantages_all, valid_all, mode)
+        self._rollout_count += 1
+        batch["rollout"] = self._rollout_count
+        extra_columns = self._record_reward_logs(reward_logs, mode)
+        if mode == "train" and args.log_completions:
+            self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all, extra_columns)
+        if args.loss_type == "tpo" and batch.old_per_token_logps is not None:
+            self._targets_at_rollout(batch, advantages_all, valid_all, mode)
+        self._record_rollout_metrics(completions, scores_per_func_all, scores_all, valid_all, mode)
+        return batch
+
+    def _finish_rollout(
+        self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str
+    ) -> None:
+        """What the loss needs of the rollout beyond its rows: its token count, the rows it may leave out, and the
+        old and reference log-probs."""
+        args = self.args
+        local = self._local_slice(len(batch))
+        completion_mask = batch.completion_mask
         if args.loss_type in F.TOKEN_NORMALIZED_LOSSES:
             # Each token is weighted by 1 / (the tokens of one optimiser step's accumulated batch, over every process),
             # taken as the rollout's mean: exact when one optimiser step spans the rollout. The Trainer divides by the
             # accumulation steps and DDP averages over processes, so one micro-step divides by its share.
             tokens = self.accelerator.gather(completion_mask.sum()).sum().item()
             steps = args.steps_per_generation if mode == "train" else 1
-            batch["loss_token_count"] = tokens / (steps * self.accelerator.num_processes)
+            batch.loss_token_count = tokens / (steps * self.accelerator.num_processes)
         if mode == "train" and args.skip_zero_gradient_completions and self._zero_gradient_rows_are_exact:
             # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
             # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
-            batch["rollout_step"] = self.state.global_step
+            batch.rollout_step = self.state.global_step
             for key, policy_is_old in (
                 ("rows_with_gradient", False),
                 ("rows_with_gradient_at_rollout", args.disable_dropout),
@@ -782,30 +797,29 @@ class TargetPOTrainer(Trainer):
             what = "computing the old and reference log-probs"
             with self._failures_reach_every_process(what, local=not self._sharded):
                 if needs_old_logps:
-                    batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
+                    batch.old_per_token_logps = self._batched_logps(self.model, batch)
                 if args.beta > 0:
-                    batch["ref_per_token_logps"] = self._reference_logps(batch)
+                    batch.ref_per_token_logps = self._reference_logps(batch)
 
-        self._rollout_count += 1
-        batch["rollout"] = self._rollout_count
-        extra_columns = self._record_reward_logs(reward_logs, mode)
-        if mode == "train" and args.log_completions:
-            self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all, extra_columns)
-        if args.loss_type == "tpo" and "old_per_token_logps" in batch:
-            old_sequence_logps = F.sequence_logps(
-                batch["old_per_token_logps"], completion_mask, args.tpo_length_normalize_logps
-            )
-            targets_all = F.tpo_targets(
-                self.accelerator.gather(old_sequence_logps),
-                advantages_all,
-                args.num_generations,
-                valid_all,
-                args.tpo_target_temperature,
-            )
-            batch["targets"] = targets_all[local]
-            self._record_targets(batch, mode)
-        self._record_rollout_metrics(completions, scores_per_func_all, scores_all, valid_all, mode)
-        return batch
+    def _targets_at_rollout(
+        self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str
+    ) -> None:
+        """q from the old log-probs, built once at rollout (the weights move before the rollout is trained on)."""
+        args = self.args
+        local = self._local_slice(len(batch))
+        completion_mask = batch.completion_mask
+        old_sequence_logps = F.sequence_logps(
+            batch["old_per_token_logps"], completion_mask, args.tpo_length_normalize_logps
+        )
+        targets_all = F.tpo_targets(
+            self.accelerator.gather(old_sequence_logps),
+            advantages_all,
+            args.num_generations,
+            valid_all,
+            args.tpo_target_temperature,
+        )
+        batch["targets"] = targets_all[local]
+        self._record_targets(batch, mode)
 
     def _failures_reach_every_process(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
         """``failures_reach_every_process`` on this process's device, for local work.
@@ -1167,8 +1181,9 @@ class TargetPOTrainer(Trainer):
             selected = lengths.argmin().reshape(1)
         inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
         image_inputs, prompt_aligned = None, None
-        if batch.pixel_inputs is not None:  # prompts with images: the rows' pixels, and their prompts' per-token extras
-            pixel_rows = batch.pixel_inputs if selected is None else [batch.pixel_inputs[i] for i in selected.tolist()]
+        pixel_inputs = batch.get("pixel_inputs")  # `batch` may be a plain dict of the four tensors above
+        if pixel_inputs is not None:  # prompts with images: the rows' pixels, and their prompts' per-token extras
+            pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
             image_inputs = collate_pixel_inputs(pixel_rows)
             prompt_aligned = {
                 key: value if selected is None else value[selected] for key, value in batch.prompt_aligned.items()
@@ -1244,7 +1259,7 @@ class TargetPOTrainer(Trainer):
                 )
             self._require_finite_logps(per_token_logps, mask)
         if rows is not None:
-            self._log_mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
+            self._metrics.mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
         policy_logps = per_token_logps
         if mode == "train" and self._importance_sampling and "sampler_per_token_logps" in inputs:
             weights = self._importance_weights(per_token_logps, inputs, mask)
@@ -1264,13 +1279,13 @@ class TargetPOTrainer(Trainer):
                 ratios = torch.exp(F.log_importance_ratios(per_token_logps, old, mask, level))
             kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask, ratios)
             loss = loss + args.beta * kl
-            self._log_mean(mode, "kl", kl.detach())
+            self._metrics.mean(mode, "kl", kl.detach())
         if self._entropy_bonus:
             loss = loss - self._entropy_bonus_term(entropies, inputs, mask, trained_tokens, mode)
         if aux_losses:
             loss = loss + args.router_aux_loss_coef * aux_losses[0]
-            self._log_mean(mode, "aux_loss", aux_losses[0].detach())
-        self._log_token_mean(mode, "entropy", entropies.detach(), mask)
+            self._metrics.mean(mode, "aux_loss", aux_losses[0].detach())
+        self._metrics.token_mean(mode, "entropy", entropies.detach(), mask)
         # Stop before backward, on every process together: a non-finite loss would put NaN into every weight.
         with self._failures_reach_every_process("checking the loss"):
             if not torch.isfinite(loss):
@@ -1424,28 +1439,14 @@ class TargetPOTrainer(Trainer):
             args.epsilon_high,
         )
         if args.loss_type == "cispo":
-            self._log_token_mean(mode, "cispo_clip_ratio", fractions["high"], mask)
+            self._metrics.token_mean(mode, "cispo_clip_ratio", fractions["high"], mask)
         else:
             for name, clipped in fractions.items():
-                self._log_token_mean(mode, f"clip_ratio/{name}_mean", clipped, mask)
+                self._metrics.token_mean(mode, f"clip_ratio/{name}_mean", clipped, mask)
             # The most clipped sequence in each direction, as a fraction of its tokens.
             for name, extreme in (("low", "min"), ("high", "max")):
-                self._log_sequence_extreme(mode, f"clip_ratio/{name}_{extreme}", fractions.get(name), mask, extreme)
+                self._metrics.sequence_extreme(mode, f"clip_ratio/{name}_{extreme}", fractions.get(name), mask, extreme)
         return loss
-
-    def _log_sequence_extreme(
-        self, mode: str, name: str, values: torch.Tensor | None, mask: torch.Tensor, extreme: str
-    ) -> None:
-        """The min or max over every process's sequences (with a token in ``mask``) of their token mean."""
-        if values is None:
-            return
-        counts = mask.sum(dim=-1)
-        means = (values * mask).sum(dim=-1) / counts.clamp(min=1)
-        means = torch.where(counts > 0, means, torch.full_like(means, math.nan))
-        means = self.accelerator.gather(means)
-        means = means[~torch.isnan(means)]
-        if means.numel() > 0:
-            self._metrics[mode][name].append((means.min() if extreme == "min" else means.max()).item())
 
     def _importance_weights(self, per_token_logps: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
         """Token weights ``p_trainer / p_vllm`` of a step batch, bounded as ``vllm_importance_sampling_mode`` says,
@@ -1484,15 +1485,6 @@ class TargetPOTrainer(Trainer):
         return loss.detach(), None, None
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _log_mean(self, mode: str, name: str, value: torch.Tensor) -> None:
-        self._metrics[mode][name].append(self.accelerator.gather(value.reshape(1).float()).mean().item())
-
-    def _log_token_mean(self, mode: str, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        totals = torch.stack([(values * mask).sum(), mask.sum()]).float()
-        total, count = self.accelerator.gather(totals.unsqueeze(0)).sum(dim=0).tolist()
-        if count > 0:
-            self._metrics[mode][name].append(total / count)
-
     def _record_rollout_metrics(
         self,
         completions: Completions,
@@ -1528,15 +1520,15 @@ class TargetPOTrainer(Trainer):
         """How far vLLM's sampling log-probs are from the trainer's, and how much the correction reweights."""
         on = mask.bool()
         difference = torch.where(on, (trainer_logps - sampler_logps).abs(), torch.zeros_like(weights))
-        self._log_token_mean("train", "vllm/logp_abs_diff", difference, mask)
-        self._log_token_mean("train", "vllm/importance_weight_mean", weights, mask)
+        self._metrics.token_mean("train", "vllm/logp_abs_diff", difference, mask)
+        self._metrics.token_mean("train", "vllm/importance_weight_mean", weights, mask)
         # Where the ratio fell outside the bounds (clamped or zeroed).
         args = self.args
         level = args.vllm_importance_sampling_mode.split("_")[0]
         ratios = F.importance_sampling_weights(trainer_logps, sampler_logps, mask, f"{level}_truncate", None, None)
         low = args.vllm_importance_sampling_clip_min or 0.0
         outside = ((ratios > args.importance_sampling_clip_max) | (ratios < low)).float()
-        self._log_token_mean("train", "vllm/importance_weight_capped_fraction", outside, mask)
+        self._metrics.token_mean("train", "vllm/importance_weight_capped_fraction", outside, mask)
         lowest = torch.where(on, weights, torch.full_like(weights, math.inf)).min().reshape(1)
         lowest = self.accelerator.gather(lowest).min().item()
         if lowest < math.inf:  # no token at all when a step skips every completion
@@ -1596,12 +1588,11 @@ class TargetPOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        averaged = {name: values.mean() for name, values in self._metrics[mode].items() if values.count}
+        averaged = self._metrics.pop_means(mode)
         if mode == "eval":
             averaged = {f"{self._eval_metric_prefix}_{name}": value for name, value in averaged.items()}
         logs.update(averaged)  # in place: `evaluate()` returns this same dict
         super().log(logs, start_time)
-        self._metrics[mode].clear()
         if (
             mode == "train"
             and self.args.log_completions
