@@ -10,6 +10,12 @@ run are dropped as warm-up, and the median over the rest is reported with the ra
 
     python benchmarks/step_time.py --rounds 5 --output docs/benchmarks/step_time.json
 
+``--before COMMIT`` adds ``targetpo_before``: targetpo as it was at that commit (a temporary git worktree), to show a
+change costs no speed. Every trainer then runs in a process of its own (the two versions cannot share one), in the
+same alternation:
+
+    python benchmarks/step_time.py --before 647a08c --trainers targetpo_before targetpo trl --rounds 4
+
 On a GPU, ``--device cuda --dtype bfloat16 --model qwen2`` trains a Qwen2-shaped model with random weights (by
 default 0.32B parameters: hidden 896, 12 layers, a 151,936-token vocabulary) on random prompts with a dense reward
 (the fraction of completion tokens with an even id), so every completion has a gradient and the skipping variant is
@@ -29,9 +35,16 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# This checkout's targetpo when no other is on the path (a --before child puts the older one first).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -46,6 +59,8 @@ from targetpo.demo import (  # noqa: E402
 )
 
 TRAINERS = ("targetpo", "targetpo_no_skipping", "trl")
+#: The trainer of ``--before``: targetpo at an older commit, run in its own process.
+BEFORE = "targetpo_before"
 #: Settings of the Qwen2-shaped model (``--model qwen2``); left out of the saved settings for the demo model.
 QWEN2_SETTINGS = (
     "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "prompt_length",
@@ -82,7 +97,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--reverse_length", type=int, default=6)
-    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--trainers", nargs="+", choices=(*TRAINERS, BEFORE), default=list(TRAINERS))
+    parser.add_argument("--before", default=None, metavar="COMMIT",
+                        help=f"Run every trainer in a process of its own, {BEFORE} with targetpo at COMMIT.")
+    parser.add_argument("--one_run", default=None, help=argparse.SUPPRESS)  # a child process's single run
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="The model's weights; bfloat16 also sets bf16=True for every trainer.")
@@ -240,6 +258,56 @@ def main() -> None:
         # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
         "trl": (GRPOTrainer, GRPOConfig, {"bf16": False, "gradient_checkpointing": False}),
     }
+    if args.one_run:  # a child of a --before comparison: one run, its results on the last line
+        trainer_class, config_class, overrides = runs["targetpo" if args.one_run == BEFORE else args.one_run]
+        overrides = {**overrides, "bf16": True} if bf16 else overrides
+        timed, logs, peak_gb = timed_run(trainer_class, config_class, args, task, args.num_iterations[0], **overrides)
+        import targetpo
+
+        print(json.dumps({"seconds": timed, "logs": logs, "peak_gb": peak_gb, "targetpo": targetpo.__file__}))
+        return
+    old_checkout_path = None
+    if args.before:
+        from machine import old_checkout
+
+        work = Path(tempfile.mkdtemp(prefix="targetpo-step-time-"))
+        with old_checkout(work / "before", args.before) as old_checkout_path:
+            compare(args, task, runs, old_checkout_path)
+        return
+    compare(args, task, runs, old_checkout_path)
+
+
+def run_in_child(name: str, num_iterations: int, before: Path) -> tuple[list[float], list[dict], float | None]:
+    """One run of ``name`` in a fresh process: targetpo from ``before`` for ``targetpo_before``, else this checkout."""
+    here = Path(__file__).resolve().parent
+    repository = before if name == BEFORE else here.parent
+    command = [sys.executable, str(here / "step_time.py"), *strip_options(sys.argv[1:], ("--before", "--output", "--rounds",
+               "--num_iterations", "--trainers")), "--rounds", "1", "--num_iterations", str(num_iterations),
+               "--one_run", name]
+    environment_ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repository), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, env=environment_, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {name} run failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(result["targetpo"]).resolve().is_relative_to(repository.resolve()):
+        raise RuntimeError(f"the {name} run imported targetpo from {result['targetpo']}, not from {repository}")
+    return result["seconds"], result["logs"], result["peak_gb"]
+
+
+def strip_options(arguments: list[str], options: tuple[str, ...]) -> list[str]:
+    """``arguments`` without ``options`` and the values that follow each."""
+    kept, skipping = [], False
+    for argument in arguments:
+        if argument.startswith("--"):
+            skipping = argument in options
+        if not skipping:
+            kept.append(argument)
+    return kept
+
+
+def compare(args: argparse.Namespace, task: Task, runs: dict, old_checkout_path: Path | None) -> None:
+    """Alternate the trainers for ``args.rounds`` rounds at each ``num_iterations``; print and save the medians."""
+    bf16 = args.dtype == "bfloat16"
     results = []
     for num_iterations in args.num_iterations:
         seconds = {name: [] for name in args.trainers}
@@ -247,9 +315,12 @@ def main() -> None:
         skipped_fractions = []
         for _ in range(args.rounds):
             for name in args.trainers:
-                trainer_class, config_class, overrides = runs[name]
-                overrides = {**overrides, "bf16": True} if bf16 else overrides
-                timed, logs, peak_gb = timed_run(trainer_class, config_class, args, task, num_iterations, **overrides)
+                if args.before:
+                    timed, logs, peak_gb = run_in_child(name, num_iterations, old_checkout_path)
+                else:
+                    trainer_class, config_class, overrides = runs[name]
+                    overrides = {**overrides, "bf16": True} if bf16 else overrides
+                    timed, logs, peak_gb = timed_run(trainer_class, config_class, args, task, num_iterations, **overrides)
                 seconds[name] += timed
                 peaks[name].append(peak_gb)
                 if name == "targetpo":
@@ -264,6 +335,8 @@ def main() -> None:
             for name in args.trainers:
                 if name != "trl":
                     result[f"{name}_over_trl"] = round(medians[name] / medians["trl"], 3)
+        if BEFORE in medians and "targetpo" in medians:  # what the change between the two commits costs or saves
+            result["targetpo_over_targetpo_before"] = round(medians["targetpo"] / medians[BEFORE], 3)
         if skipped_fractions:
             result["targetpo_skipped_fraction"] = round(statistics.mean(skipped_fractions), 3)
         result["steps_timed_each"] = len(seconds[args.trainers[0]])

@@ -114,7 +114,7 @@ from .reporting import (
     push_completions_table,
 )
 from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardLogs, RewardScorer
-from .rollout.records import RolloutBatch
+from .rollout.records import PROMPT_ALIGNED, RolloutBatch
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
     IMAGE_COLUMNS,
@@ -1186,7 +1186,9 @@ class TargetPOTrainer(Trainer):
             pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
             image_inputs = collate_pixel_inputs(pixel_rows)
             prompt_aligned = {
-                key: value if selected is None else value[selected] for key, value in batch.prompt_aligned.items()
+                key[len(PROMPT_ALIGNED) :]: value if selected is None else value[selected]
+                for key, value in batch.items()
+                if key.startswith(PROMPT_ALIGNED)
             }
         results = completion_logps(
             model,
