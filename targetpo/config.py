@@ -5,10 +5,14 @@ Field names follow the ones GRPO users already know, so that a GRPO script moves
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
+import typing
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Annotated, Any
 
 from transformers import TrainingArguments
 
@@ -17,6 +21,132 @@ from .functional import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, P
 LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+VLLM_WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "gloo")
+
+
+# --- Allowed values as data ---------------------------------------------------------------------------------------
+# A field's range sits in its annotation, `Annotated[int, Range(at_least=1)]`, and its choices in its metadata's
+# "choices" (which the command line checks too). They live outside the metadata's other keys because
+# `HfArgumentParser` hands every metadata key to argparse, and it strips `Annotated` before reading the type.
+@dataclass(frozen=True)
+class Allowed:
+    """What a field accepts; `why` is said after it in the error, `symbol` after the field's name."""
+
+    _: KW_ONLY
+    why: str = ""
+    symbol: str = ""
+
+    def admits(self, value: Any) -> bool:
+        """Whether the field may hold `value`."""
+        raise NotImplementedError
+
+    def refusal(self, name: str, value: Any, optional: bool) -> str:
+        """The error message for `value`: the field, what it accepts (and why), and the value given."""
+        named = f"{name} ({self.symbol})" if self.symbol else name
+        allowed = f"{self} or None" if optional else str(self)
+        why = f" ({self.why})" if self.why else ""
+        return f"{named} must be {allowed}{why}, got {value!r}."
+
+
+@dataclass(frozen=True)
+class Range(Allowed):
+    """Numbers within bounds: `at_least` and `at_most` include the edge, `above` and `below` leave it out."""
+
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+    says: str = ""  # the range in words, where a message has always worded it so
+
+    def __post_init__(self):
+        lows, highs = (self.at_least, self.above), (self.at_most, self.below)
+        if None not in lows or None not in highs or lows == highs == (None, None):
+            raise ValueError(f"Range{lows + highs}: give one bound or two, at most one on each side.")
+
+    def admits(self, value: Any) -> bool:
+        """Whether `value` lies within every bound (NaN lies within none)."""
+        return (
+            (self.at_least is None or value >= self.at_least)
+            and (self.above is None or value > self.above)
+            and (self.at_most is None or value <= self.at_most)
+            and (self.below is None or value < self.below)
+        )
+
+    def __str__(self) -> str:
+        if self.says:
+            return self.says
+        low = self.above if self.at_least is None else self.at_least
+        high = self.below if self.at_most is None else self.at_most
+        if low is not None and high is not None:
+            return f"in {'(' if self.at_least is None else '['}{low}, {high}{')' if self.at_most is None else ']'}"
+        if low is not None:
+            return f"> {low}" if self.at_least is None else f">= {low}"
+        return f"< {high}" if self.at_most is None else f"<= {high}"
+
+
+@dataclass(frozen=True)
+class OneOf(Allowed):
+    """One of a few values; for a field whose command-line spelling argparse's `choices` cannot check."""
+
+    values: tuple
+
+    def admits(self, value: Any) -> bool:
+        """Whether `value` is one of the values."""
+        return value in self.values
+
+    def __str__(self) -> str:
+        return f"one of {self.values}"
+
+
+class FieldRules(typing.NamedTuple):
+    """What one field accepts: each rule, and whether None is accepted besides (its type is optional)."""
+
+    rules: tuple[Allowed, ...]
+    optional: bool
+
+
+@functools.cache
+def field_rules(config_class: type) -> dict[str, FieldRules]:
+    """The rules of each field of a config class that has any: `Allowed` annotations and metadata choices.
+
+    `TrainingArguments`' own fields are left to its own checks (some take values beside their listed choices).
+    """
+    hints = typing.get_type_hints(config_class, include_extras=True)
+    trainer_fields = {trainer_field.name for trainer_field in dataclasses.fields(TrainingArguments)}
+    table = {}
+    for config_field in dataclasses.fields(config_class):
+        hint = hints[config_field.name]
+        rules = [extra for extra in getattr(hint, "__metadata__", ()) if isinstance(extra, Allowed)]
+        if "choices" in config_field.metadata and config_field.name not in trainer_fields:
+            rules.append(OneOf(tuple(config_field.metadata["choices"])))
+        if rules:
+            value_type = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+            table[config_field.name] = FieldRules(tuple(rules), type(None) in typing.get_args(value_type))
+    return table
+
+
+def check_field_values(config: Any) -> None:
+    """Raise a ValueError for the first field whose value its rules do not accept; changes nothing."""
+    for name, (rules, optional) in field_rules(type(config)).items():
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        for rule in rules:
+            try:
+                admitted = rule.admits(value)
+            except TypeError:  # a value of the wrong type, such as None for a required number
+                admitted = False
+            if not admitted:
+                raise ValueError(rule.refusal(name, value, optional))
+
+
+def scale_rewards_name(scale: str | bool) -> str | bool:
+    """scale_rewards as TRL takes it: True and False (also as command-line strings) name 'group' and 'none'."""
+    if isinstance(scale, str):
+        scale = {"true": True, "false": False}.get(scale.lower(), scale)
+    if isinstance(scale, bool):
+        return "group" if scale else "none"
+    return scale
 
 
 @dataclass
@@ -61,7 +191,7 @@ class GRPOConfig(TrainingArguments):
             "sharing them in their dtype and casts them inside each forward pass."
         },
     )
-    router_aux_loss_coef: float = field(
+    router_aux_loss_coef: Annotated[float, Range(at_least=0)] = field(
         default=0.001,
         metadata={
             "help": "Mixture-of-experts models: weight of the router's load-balancing loss added to the training "
@@ -77,7 +207,7 @@ class GRPOConfig(TrainingArguments):
     shuffle_dataset: bool = field(
         default=True, metadata={"help": "Shuffle the training prompts (each epoch in a new order, from the seed)."}
     )
-    pad_to_multiple_of: int | None = field(
+    pad_to_multiple_of: Annotated[int | None, Range(at_least=1)] = field(
         default=None,
         metadata={
             "help": "Pad prompt and completion token ids to a multiple of this length (e.g. 8 for tensor cores)."
@@ -85,8 +215,10 @@ class GRPOConfig(TrainingArguments):
     )
 
     # --- Rollout ------------------------------------------------------------------------------------------------
-    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (K, the group size)."})
-    num_generations_eval: int | None = field(
+    num_generations: Annotated[
+        int, Range(at_least=2, says="at least 2", why="a group needs two completions to compare")
+    ] = field(default=8, metadata={"help": "Completions sampled per prompt (K, the group size)."})
+    num_generations_eval: Annotated[int | None, Range(at_least=1)] = field(
         default=None,
         metadata={"help": "Completions sampled per prompt in evaluation (fewer saves time). None: num_generations."},
     )
@@ -97,32 +229,42 @@ class GRPOConfig(TrainingArguments):
             "per_device_train_batch_size * world_size * steps_per_generation. Exclusive with steps_per_generation."
         },
     )
-    steps_per_generation: int | None = field(
+    steps_per_generation: Annotated[int | None, Range(at_least=1)] = field(
         default=None,
         metadata={
             "help": "Optimisation micro-steps served by one rollout (default 1). Exclusive with generation_batch_size."
         },
     )
-    num_iterations: int = field(
+    num_iterations: Annotated[int, Range(at_least=1)] = field(
         default=1, metadata={"help": "Times each step batch of a rollout is optimised on (epochs per rollout)."}
     )
-    max_prompt_length: int | None = field(
+    max_prompt_length: Annotated[int | None, Range(at_least=1)] = field(
         default=512, metadata={"help": "Prompts longer than this many tokens keep their last tokens. None: no limit."}
     )
-    max_completion_length: int = field(default=256, metadata={"help": "Maximum number of generated tokens."})
+    max_completion_length: Annotated[int, Range(at_least=1)] = field(
+        default=256, metadata={"help": "Maximum number of generated tokens."}
+    )
     mask_truncated_completions: bool = field(
         default=False,
         metadata={"help": "Treat completions that hit max_completion_length without EOS as invalid (no loss, q = 0)."},
     )
 
     # --- Sampling -----------------------------------------------------------------------------------------------
-    temperature: float = field(
+    temperature: Annotated[float, Range(above=0)] = field(
         default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."}
     )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass. 1.0 disables it."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling. 0 disables it."})
-    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability relative to the top one."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty. 1.0 disables it."})
+    top_p: Annotated[float, Range(above=0, at_most=1)] = field(
+        default=1.0, metadata={"help": "Nucleus sampling mass. 1.0 disables it."}
+    )
+    top_k: Annotated[int, Range(at_least=0, why="0 disables it")] = field(
+        default=0, metadata={"help": "Top-k sampling. 0 disables it."}
+    )
+    min_p: Annotated[float | None, Range(at_least=0, at_most=1)] = field(
+        default=None, metadata={"help": "Minimum token probability relative to the top one."}
+    )
+    repetition_penalty: Annotated[float, Range(above=0)] = field(
+        default=1.0, metadata={"help": "Repetition penalty. 1.0 disables it."}
+    )
     cache_implementation: str | None = field(
         default=None,
         metadata={
@@ -155,14 +297,14 @@ class GRPOConfig(TrainingArguments):
             "'{\"enable_thinking\": false}'."
         },
     )
-    max_tool_calling_iterations: int | None = field(
+    max_tool_calling_iterations: Annotated[int | None, Range(at_least=0, why="None: no limit")] = field(
         default=None,
         metadata={
             "help": "With tools or an environment: the most rounds of tool calls per sample. A sample still calling "
             "tools after that many rounds ends there, truncated. None: no limit but max_completion_length."
         },
     )
-    logps_chunk_size: int = field(
+    logps_chunk_size: Annotated[int, Range(at_least=0, why="0 disables chunking")] = field(
         default=512,
         metadata={
             "help": "Compute token log-probs from the final hidden states this many completion positions at a time, "
@@ -216,7 +358,8 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Server mode: vLLM's weight-transfer engine, as the server was started with "
             "(--weight-transfer-config): 'nccl' between GPUs, 'gloo' on CPUs; 'auto' picks 'nccl' when the trainer "
-            "has a GPU."
+            "has a GPU.",
+            "choices": VLLM_WEIGHT_TRANSFER_BACKENDS,
         },
     )
     async_rollouts: bool = field(
@@ -227,18 +370,18 @@ class GRPOConfig(TrainingArguments):
             "from older weights."
         },
     )
-    max_staleness: int = field(
+    max_staleness: Annotated[int, Range(at_least=1, why="in optimiser steps")] = field(
         default=1,
         metadata={
             "help": "With async_rollouts: the most optimiser steps a rollout's generation may start before it is "
             "trained on (>= 1)."
         },
     )
-    vllm_gpu_memory_utilization: float = field(
+    vllm_gpu_memory_utilization: Annotated[float, Range(above=0, at_most=1)] = field(
         default=0.3,
         metadata={"help": "Colocate mode: fraction of the device's memory the engine may take (weights + KV cache)."},
     )
-    vllm_tensor_parallel_size: int = field(
+    vllm_tensor_parallel_size: Annotated[int, Range(at_least=1)] = field(
         default=1, metadata={"help": "Colocate mode: devices one engine spans (tensor parallelism)."}
     )
     vllm_model_impl: str = field(
@@ -290,14 +433,16 @@ class GRPOConfig(TrainingArguments):
             "choices": IMPORTANCE_SAMPLING_MODES,
         },
     )
-    vllm_importance_sampling_clip_max: float | None = field(
+    vllm_importance_sampling_clip_max: Annotated[float | None, Range(above=0)] = field(
         default=None,
         metadata={"help": "Upper bound of the importance weights. None: vllm_importance_sampling_cap."},
     )
-    vllm_importance_sampling_clip_min: float | None = field(
+    vllm_importance_sampling_clip_min: Annotated[float | None, Range(at_least=0)] = field(
         default=None, metadata={"help": "Lower bound of the importance weights. None: no lower bound."}
     )
-    vllm_importance_sampling_cap: float = field(
+    vllm_importance_sampling_cap: Annotated[
+        float, Range(at_least=1, why="to switch the correction off set vllm_importance_sampling_correction=False")
+    ] = field(
         default=2.0,
         metadata={
             "help": "Upper bound of the importance weights (>= 1) when vllm_importance_sampling_clip_max is None."
@@ -316,18 +461,20 @@ class GRPOConfig(TrainingArguments):
             "choices": LOSS_TYPES,
         },
     )
-    beta: float = field(
+    beta: Annotated[float, Range(at_least=0)] = field(
         default=0.0, metadata={"help": "Weight of the KL penalty to the reference model. 0 loads no reference model."}
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the importance ratio."})
-    epsilon_high: float | None = field(
+    epsilon: Annotated[float, Range(at_least=0, below=1, why="the ratio is clipped at 1 - epsilon")] = field(
+        default=0.2, metadata={"help": "Lower clipping range of the importance ratio."}
+    )
+    epsilon_high: Annotated[float | None, Range(at_least=0, why="None: epsilon")] = field(
         default=None,
         metadata={
             "help": "Upper clipping range of the importance ratio; defaults to epsilon (DAPO recommends 0.28). With "
             "loss_type='cispo' it is the cap on the importance weights (5.0 is recommended)."
         },
     )
-    delta: float | None = field(
+    delta: Annotated[float | None, Range(above=0)] = field(
         default=None,
         metadata={
             "help": "Two-sided clipping: also cap the unclipped ratio at delta (> 1 + epsilon_high). None: off. For "
@@ -342,22 +489,22 @@ class GRPOConfig(TrainingArguments):
             "choices": IMPORTANCE_SAMPLING_LEVELS,
         },
     )
-    sapo_temperature_pos: float = field(
+    sapo_temperature_pos: Annotated[float, Range(above=0)] = field(
         default=1.0, metadata={"help": "loss_type='sapo': gate temperature of tokens with a positive advantage."}
     )
-    sapo_temperature_neg: float = field(
+    sapo_temperature_neg: Annotated[float, Range(above=0)] = field(
         default=1.05, metadata={"help": "loss_type='sapo': gate temperature of tokens with a non-positive advantage."}
     )
-    vespo_k_pos: float = field(
+    vespo_k_pos: Annotated[float, Range(at_least=0)] = field(
         default=2.0, metadata={"help": "loss_type='vespo': power k of the weight w^k exp(lambda (1 - w)), A >= 0."}
     )
-    vespo_lambda_pos: float = field(
+    vespo_lambda_pos: Annotated[float, Range(above=0)] = field(
         default=3.0, metadata={"help": "loss_type='vespo': decay lambda of the weight w^k exp(lambda (1 - w)), A >= 0."}
     )
-    vespo_k_neg: float = field(
+    vespo_k_neg: Annotated[float, Range(at_least=0)] = field(
         default=3.0, metadata={"help": "loss_type='vespo': power k of the weight w^k exp(lambda (1 - w)), A < 0."}
     )
-    vespo_lambda_neg: float = field(
+    vespo_lambda_neg: Annotated[float, Range(above=0)] = field(
         default=2.0, metadata={"help": "loss_type='vespo': decay lambda of the weight w^k exp(lambda (1 - w)), A < 0."}
     )
 
@@ -379,18 +526,20 @@ class GRPOConfig(TrainingArguments):
     )
     entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy: lowest coefficient."})
     entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy: highest coefficient."})
-    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy: change per optimiser step."})
+    entropy_coef_delta: Annotated[float, Range(at_least=0)] = field(
+        default=0.005, metadata={"help": "Adaptive entropy: change per optimiser step."}
+    )
     entropy_target: float = field(
         default=0.2, metadata={"help": "Adaptive entropy: the mean token entropy (nats) below which the bonus acts."}
     )
-    top_entropy_quantile: float = field(
+    top_entropy_quantile: Annotated[float, Range(at_least=0, at_most=1)] = field(
         default=1.0,
         metadata={
             "help": "Train only on the completion tokens whose entropy is in this top fraction of the step's tokens "
             "(over every process): 0.2 keeps the most uncertain fifth of the tokens, 1.0 keeps all."
         },
     )
-    off_policy_mask_threshold: float | None = field(
+    off_policy_mask_threshold: Annotated[float | None, Range(above=0)] = field(
         default=None,
         metadata={
             "help": "Leave out of the policy loss each completion with a negative advantage whose mean token KL from "
@@ -405,10 +554,10 @@ class GRPOConfig(TrainingArguments):
             "ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref (TR-DPO). Needs beta > 0."
         },
     )
-    ref_model_mixup_alpha: float = field(
+    ref_model_mixup_alpha: Annotated[float, Range(at_least=0, at_most=1)] = field(
         default=0.6, metadata={"help": "sync_ref_model: the policy's share in the new reference weights."}
     )
-    ref_model_sync_steps: int = field(
+    ref_model_sync_steps: Annotated[int, Range(at_least=1)] = field(
         default=512, metadata={"help": "sync_ref_model: optimiser steps between two updates of the reference."}
     )
     use_bias_correction_kl: bool = field(
@@ -424,7 +573,7 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "One weight per reward function, in order. Defaults to 1.0 each."},
     )
-    scale_rewards: str = field(
+    scale_rewards: Annotated[str, OneOf(SCALE_REWARDS, why="or True for 'group', False for 'none'")] = field(
         default="group",
         metadata={
             "help": "How group-centred rewards are scaled into advantages (TPO's u): 'group' (or True) by the group's "
@@ -445,7 +594,7 @@ class GRPOConfig(TrainingArguments):
     log_completions: bool = field(
         default=False, metadata={"help": "Print a table of prompts, completions, rewards and targets at each log."}
     )
-    num_completions_to_print: int | None = field(
+    num_completions_to_print: Annotated[int | None, Range(at_least=1)] = field(
         default=None, metadata={"help": "Rows of the completions table. None prints every completion of the rollout."}
     )
     log_unique_prompts: bool = field(
@@ -482,7 +631,10 @@ class GRPOConfig(TrainingArguments):
                     ) from error
         super().__post_init__()
         self._check_output_dir()
-        self._check_rollout_settings()
+        self.scale_rewards = scale_rewards_name(self.scale_rewards)
+        check_field_values(self)
+        self._check_combinations()
+        self._warn_about_loss_settings()
         self._resolve_batch_layout()
 
     def _check_output_dir(self) -> None:
@@ -498,20 +650,13 @@ class GRPOConfig(TrainingArguments):
                 "and the saved model go in output_dir: choose a directory path (it is created if missing)."
             )
 
-    def _check_rollout_settings(self) -> None:
-        if self.num_generations < 2:
-            raise ValueError(
-                f"num_generations must be at least 2 (a group needs two completions to compare), got {self.num_generations}."
-            )
+    def _check_combinations(self) -> None:
+        """Refuse settings that need or contradict other settings (each field's own range is checked before)."""
         if self.use_transformers_continuous_batching or self.use_transformers_paged:
             raise ValueError(
                 "use_transformers_continuous_batching (use_transformers_paged) is not supported yet: rollouts are "
                 "generated with `model.generate` (padded batches) or vLLM. Set use_vllm=True for continuous batching."
             )
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be >= 1 or None, got {self.pad_to_multiple_of}.")
-        if self.vllm_model_impl not in ("vllm", "transformers", "auto"):
-            raise ValueError(f"vllm_model_impl must be 'vllm', 'transformers' or 'auto', got {self.vllm_model_impl!r}.")
         if self.vllm_structured_outputs_regex is not None and not self.use_vllm:
             raise ValueError(
                 "vllm_structured_outputs_regex constrains vLLM's sampling: set use_vllm=True (model.generate has no "
@@ -527,132 +672,34 @@ class GRPOConfig(TrainingArguments):
                 "sync_ref_model=True updates the reference model of the KL term, which beta=0 does not load: set "
                 "beta > 0 or sync_ref_model=False."
             )
-        if not 0 <= self.ref_model_mixup_alpha <= 1:
-            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}.")
-        if self.ref_model_sync_steps < 1:
-            raise ValueError(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}.")
-        if self.router_aux_loss_coef < 0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}.")
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
-            raise ValueError(f"num_generations_eval must be >= 1 or None, got {self.num_generations_eval}.")
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(
-                f"max_tool_calling_iterations must be >= 0 or None (no limit), got {self.max_tool_calling_iterations}."
-            )
-        if self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}.")
-        self._check_loss_settings()
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
-            raise ValueError(f"num_completions_to_print must be >= 1 or None, got {self.num_completions_to_print}.")
-        if self.logps_chunk_size < 0:
-            raise ValueError(f"logps_chunk_size must be >= 0 (0 disables chunking), got {self.logps_chunk_size}.")
-        if self.vllm_mode not in VLLM_MODES:
-            raise ValueError(f"vllm_mode must be one of {VLLM_MODES}, got {self.vllm_mode!r}.")
-        if self.vllm_importance_sampling_cap < 1:
-            raise ValueError(
-                f"vllm_importance_sampling_cap must be >= 1, got {self.vllm_importance_sampling_cap}; to switch the "
-                "correction off set vllm_importance_sampling_correction=False."
-            )
-        if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
-            raise ValueError(
-                f"vllm_importance_sampling_mode must be one of {IMPORTANCE_SAMPLING_MODES}, got "
-                f"{self.vllm_importance_sampling_mode!r}."
-            )
         low, high = self.vllm_importance_sampling_clip_min, self.importance_sampling_clip_max
-        if low is not None and not 0 <= low < high:
+        if low is not None and not low < high:
             raise ValueError(
                 f"vllm_importance_sampling_clip_min ({low}) must be >= 0 and below the upper bound ({high})."
-            )
-        if high <= 0:
-            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {high}.")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
-        if self.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.")
-        if self.vllm_weight_transfer_backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(
-                f"vllm_weight_transfer_backend must be 'auto', 'nccl' or 'gloo', got {self.vllm_weight_transfer_backend!r}."
             )
         if self.async_rollouts and not (self.use_vllm and self.vllm_mode == "server"):
             raise ValueError(
                 "async_rollouts=True generates on a vLLM server while training goes on: set use_vllm=True and "
                 "vllm_mode='server' (or async_rollouts=False)."
             )
-        if self.max_staleness < 1:
-            raise ValueError(f"max_staleness must be >= 1 (in optimiser steps), got {self.max_staleness}.")
-        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
-            raise ValueError(f"generation_kwargs must be a dict, got {type(self.generation_kwargs).__name__}.")
-        if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
-            raise ValueError(f"model_init_kwargs must be a dict, got {type(self.model_init_kwargs).__name__}.")
-
-    def _check_loss_settings(self) -> None:
-        """The loss and advantage settings: values in range, and a warning for combinations that make no sense."""
-        # Booleans as TRL accepts them, also when they arrive as strings from the command line.
-        scale = self.scale_rewards
-        if isinstance(scale, str):
-            scale = {"true": True, "false": False}.get(scale.lower(), scale)
-        if isinstance(scale, bool):
-            scale = "group" if scale else "none"
-        self.scale_rewards = scale
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} or True/False, got {self.scale_rewards!r}.")
-        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            raise ValueError(
-                f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got "
-                f"{self.multi_objective_aggregation!r}."
-            )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
-                f"{self.importance_sampling_level!r}."
-            )
-        if not 0 <= self.epsilon < 1:
-            raise ValueError(f"epsilon must be in [0, 1) (the ratio is clipped at 1 - epsilon), got {self.epsilon}.")
-        if self.epsilon_high is not None and self.epsilon_high < 0:
-            raise ValueError(f"epsilon_high must be >= 0 or None (= epsilon), got {self.epsilon_high}.")
-        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if self.delta is not None and not self.delta > 0:
-            raise ValueError(f"delta must be > 0 or None, got {self.delta}.")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
-        if not 0 <= self.top_entropy_quantile <= 1:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
-        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
-            raise ValueError(f"off_policy_mask_threshold must be > 0 or None, got {self.off_policy_mask_threshold}.")
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."
             )
-        if self.entropy_coef_delta < 0:
-            raise ValueError(f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}.")
-        for name in ("vespo_k_pos", "vespo_k_neg"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        for name in ("generation_kwargs", "model_init_kwargs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a dict, got {type(value).__name__}.")
+
+    def _warn_about_loss_settings(self) -> None:
+        """Warn about loss settings that have no effect on the chosen loss, or work against it."""
 
         def warn(message: str) -> None:
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warnings.warn(message, UserWarning, stacklevel=5)  # at the line that built the config
 
-        loss, level = self.loss_type, self.importance_sampling_level
-        if loss == "tpo" and (level != "token" or self.delta is not None):
+        loss, level, delta = self.loss_type, self.importance_sampling_level, self.delta
+        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if loss == "tpo" and (level != "token" or delta is not None):
             warn(
                 "importance_sampling_level and delta shape the GRPO-family losses; loss_type='tpo' fits the policy to "
                 "its target q without an importance ratio, so they have no effect."
@@ -672,12 +719,12 @@ class GRPOConfig(TrainingArguments):
                 "tokens, weighting each sequence by its length rather than optimising GSPO's per-sequence objective. "
                 "For GSPO use loss_type='grpo'."
             )
-        if self.delta is not None and self.delta <= 1 + epsilon_high:
+        if delta is not None and delta <= 1 + epsilon_high:
             warn(
-                f"delta ({self.delta}) caps the unclipped ratio below the upper clip 1 + epsilon_high "
+                f"delta ({delta}) caps the unclipped ratio below the upper clip 1 + epsilon_high "
                 f"({1 + epsilon_high}): two-sided clipping expects delta > 1 + epsilon_high."
             )
-        if self.delta is not None and loss in ("cispo", "sapo", "vespo"):
+        if delta is not None and loss in ("cispo", "sapo", "vespo"):
             warn(
                 f"delta caps the clipped surrogates' ratio; loss_type='{loss}' has no such ratio, so delta has no effect."
             )
@@ -699,8 +746,6 @@ class GRPOConfig(TrainingArguments):
         """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""
         world_size = self.world_size
         step_batch = self.per_device_train_batch_size * world_size
-        if self.steps_per_generation is not None and self.steps_per_generation < 1:
-            raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation}.")
         if self.generation_batch_size is not None and (
             self.generation_batch_size < 1 or self.generation_batch_size % step_batch != 0
         ):
@@ -776,7 +821,7 @@ class TargetPOConfig(GRPOConfig):
             "choices": LOSS_TYPES,
         },
     )
-    tpo_target_temperature: float = field(
+    tpo_target_temperature: Annotated[float, Range(above=0, symbol="eta")] = field(
         default=1.0,
         metadata={"help": "eta in q ∝ p_old · exp(u / eta). Smaller moves the target further from p_old. Must be > 0."},
     )
@@ -784,8 +829,3 @@ class TargetPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Use the mean token log-prob of a completion as its sequence log-prob (False: the sum)."},
     )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not self.tpo_target_temperature > 0:
-            raise ValueError(f"tpo_target_temperature (eta) must be > 0, got {self.tpo_target_temperature}.")

@@ -1,9 +1,14 @@
 """Every configuration check, with its message, and command-line parsing."""
 
+import math
+import typing
+import warnings
+
 import pytest
 from transformers import HfArgumentParser
 
 from targetpo import GRPOConfig, TargetPOConfig
+from targetpo.config import OneOf, Range, field_rules
 from targetpo.generation.sampling import SamplingSettings, resolve_generation_kwargs
 
 
@@ -249,3 +254,104 @@ def test_every_setting_that_reshapes_sampling_is_named(tmp_path, use_vllm, gener
     assert settings.reshapes_distribution == bool(reshaped_by)
     typed = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, top_p=0.9, repetition_penalty=1.1)
     assert typed.reshaping_settings == ("top_p", "repetition_penalty")
+
+
+# ------------------------------------------------------------------------------------------- ranges and choices as data
+# Every field that declares what it accepts, written out by hand: a field losing its rule, or gaining one, fails here.
+RULED_FIELDS = {
+    "num_generations", "num_generations_eval", "steps_per_generation", "num_iterations", "max_prompt_length",
+    "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "max_tool_calling_iterations", "logps_chunk_size", "pad_to_multiple_of", "router_aux_loss_coef", "vllm_mode",
+    "max_staleness", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl",
+    "vllm_weight_transfer_backend", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap", "loss_type", "beta", "epsilon", "epsilon_high",
+    "delta", "importance_sampling_level", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef_delta", "top_entropy_quantile",
+    "off_policy_mask_threshold", "ref_model_mixup_alpha", "ref_model_sync_steps", "scale_rewards",
+    "multi_objective_aggregation", "num_completions_to_print", "tpo_target_temperature",
+}
+
+
+def edge_cases(rule, integer):
+    """(refused, accepted) values derived from a rule: each bound's edge and the nearest value past it."""
+    def past(edge, direction):  # the nearest value beyond an edge, of the field's type
+        return edge + direction if integer else math.nextafter(edge, direction * math.inf)
+
+    if isinstance(rule, OneOf):
+        return ["not-a-choice"], list(rule.values)
+    refused, accepted = [], []
+    for edge, direction, included in ((rule.at_least, -1, True), (rule.above, -1, False),
+                                      (rule.at_most, 1, True), (rule.below, 1, False)):
+        if edge is None:
+            continue
+        if included:
+            accepted.append(edge)
+            refused.append(past(edge, direction))
+        else:
+            refused.append(edge)
+            accepted.append(past(edge, -direction))
+    return refused, accepted
+
+
+def test_every_declared_range_and_choice_refuses_just_past_its_edge_and_accepts_the_edge(tmp_path):
+    rules = field_rules(TargetPOConfig)
+    assert set(rules) == RULED_FIELDS
+    types = typing.get_type_hints(TargetPOConfig)
+    for name, (field_rule_list, optional) in rules.items():
+        integer = int in (types[name], *typing.get_args(types[name]))
+        for rule in field_rule_list:
+            refused, accepted = edge_cases(rule, integer)
+            assert refused and accepted, name
+            for value in refused:
+                with pytest.raises(ValueError) as error:
+                    config(tmp_path, **{name: value})
+                message = str(error.value)
+                assert message.startswith(name) and f"got {value!r}" in message and str(rule) in message, message
+            for value in accepted:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # some choices warn about the other settings; accepted is enough
+                    assert getattr(config(tmp_path, **{name: value}), name) == value, (name, value)
+        if optional:
+            config(tmp_path, **{name: None})  # None is accepted (steps_per_generation then takes its default)
+        else:
+            with pytest.raises(ValueError, match=f"^{name}"):
+                config(tmp_path, **{name: None})
+
+
+@pytest.mark.parametrize(
+    "name, refused, accepted",
+    [  # Written out by hand, independently of the declarations above.
+        ("num_generations", [1, 0, -3], [2, 4]),
+        ("temperature", [0.0, -0.5, float("nan")], [1e-9, 5.0]),
+        ("top_p", [0.0, 1.0000001, 2.0], [1e-6, 0.5, 1.0]),
+        ("epsilon", [-1e-9, 1.0], [0.0, 0.999]),
+        ("min_p", [-0.01, 1.01], [None, 0.0, 1.0]),
+        ("vllm_importance_sampling_cap", [0.999], [1.0, 10.0]),
+        ("vllm_gpu_memory_utilization", [0.0, 1.01], [0.01, 1.0]),
+        ("max_tool_calling_iterations", [-1], [None, 0, 5]),
+        ("steps_per_generation", [0], [None, 1]),
+        ("tpo_target_temperature", [0.0, -1.0], [0.25, 2.0]),
+        ("loss_type", ["dpo", "TPO", None], ["tpo", "grpo", "vespo"]),
+        ("scale_rewards", ["global", None], ["group", "batch", "none", True, False]),
+        ("vllm_weight_transfer_backend", ["tcp"], ["auto", "nccl", "gloo"]),
+    ],
+)
+def test_hand_written_ranges(tmp_path, name, refused, accepted):
+    for value in refused:
+        with pytest.raises(ValueError, match=f"^{name}"):
+            config(tmp_path, **{name: value})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for value in accepted:
+            config(tmp_path, **{name: value})
+
+
+def test_range_messages_say_the_bounds_as_written():
+    assert [str(rule) for rule in (Range(at_least=1), Range(above=0), Range(above=0, at_most=1),
+                                    Range(at_least=0, below=1), Range(at_most=3), Range(below=3))] == [
+        ">= 1", "> 0", "in (0, 1]", "in [0, 1)", "<= 3", "< 3"]
+    assert Range(above=0, symbol="eta", why="the target temperature").refusal("t", 0.0, optional=True) == (
+        "t (eta) must be > 0 or None (the target temperature), got 0.0.")
+    for bad in (dict(), dict(at_least=0, above=0), dict(at_most=1, below=1)):
+        with pytest.raises(ValueError, match="give one bound or two"):
+            Range(**bad)
