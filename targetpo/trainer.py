@@ -7,8 +7,9 @@ One training micro-step reads as:
 2. a rollout (``_rollout``) gets completions from the rollout backend (``generation/``: ``model.generate``, vLLM in
    process or a ``vllm serve`` process, possibly generated ahead), scores them, whitens the scores into ``u`` and,
    where the weights will have moved before the rollout is used, records the old log-probs and builds the target ``q``;
-3. ``compute_loss`` computes the policy's sequence log-probs, builds ``q`` from them (detached) if the rollout did
-   not, and returns the cross-entropy to ``q`` (plus ``beta * KL``).
+3. ``compute_loss`` computes the policy's token log-probs (``policy_logps.py``) and returns the loss of the objective
+   ``loss_type`` names (TPO: the cross-entropy to ``q``, built from the detached log-probs if the rollout did not) plus
+   the regularisers (``objectives.py``); what the step built for later iterations is kept in the batch's cache.
 """
 
 from __future__ import annotations
