@@ -1,18 +1,26 @@
 """The metrics a run logs: each one's values since the last log, over every process, kept as running means.
 
 Values reach the recorder already computed (the math lives elsewhere); the recorder gathers them across processes
-and averages them between logs. ``recorder[mode]`` is that mode's ``{name: RunningMean}``.
+and averages them between logs. ``recorder[mode]`` is that mode's ``{name: RunningMean}``. ``record_loss_metrics`` and
+``record_targets`` record what a loss step produced.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 
+from . import functional as F
 from .reporting import RunningMean
+from .rollout.records import RolloutBatch
+
+if TYPE_CHECKING:  # the loss's types, from the modules above this one
+    from .objectives import LossTerms
+    from .regularisers import BuiltImportanceWeights
 
 MODES = ("train", "eval")
 
@@ -61,3 +69,66 @@ class MetricsRecorder:
         means = {name: values.mean() for name, values in self._values[mode].items() if values.count}
         self._values[mode].clear()
         return means
+
+
+def record_loss_metrics(
+    recorder: MetricsRecorder,
+    mode: str,
+    terms: LossTerms,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    rows: torch.Tensor | None,
+) -> None:
+    """What one micro-step's loss produced: the skipped rows, new importance weights, the objective's diagnostics
+    (clip ratios), the KL, the entropy coefficient, the router loss and the entropy."""
+    if rows is not None:
+        recorder.mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
+    if terms.importance_weights is not None:
+        _record_importance_weights(recorder, terms.importance_weights)
+    for name, values in terms.objective.token_means.items():
+        recorder.token_mean(mode, name, values, mask)
+    for name, (values, extreme) in terms.objective.sequence_extremes.items():
+        recorder.sequence_extreme(mode, name, values, mask, extreme)
+    if terms.kl is not None:
+        recorder.mean(mode, "kl", terms.kl.detach())
+    if terms.entropy_coefficient is not None:
+        recorder.add(mode, "entropy_coef", terms.entropy_coefficient)
+    if terms.aux_loss is not None:
+        recorder.mean(mode, "aux_loss", terms.aux_loss.detach())
+    recorder.token_mean(mode, "entropy", entropies.detach(), mask)
+
+
+def _record_importance_weights(recorder: MetricsRecorder, built: BuiltImportanceWeights) -> None:
+    """How far vLLM's sampling log-probs are from the trainer's, and how much the correction reweights."""
+    weights, mask = built.weights, built.mask
+    on = mask.bool()
+    difference = torch.where(on, (built.trainer_logps - built.sampler_logps).abs(), torch.zeros_like(weights))
+    recorder.token_mean("train", "vllm/logp_abs_diff", difference, mask)
+    recorder.token_mean("train", "vllm/importance_weight_mean", weights, mask)
+    recorder.token_mean("train", "vllm/importance_weight_capped_fraction", built.outside_bounds, mask)
+    lowest = torch.where(on, weights, torch.full_like(weights, math.inf)).min().reshape(1)
+    lowest = recorder.accelerator.gather(lowest).min().item()
+    if lowest < math.inf:  # no token at all when a step skips every completion
+        recorder.add("train", "vllm/importance_weight_min", lowest)
+
+
+def record_targets(
+    recorder: MetricsRecorder, mode: str, batch: RolloutBatch, group_size: int, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's diagnostics of a freshly built q over all processes; returns the sample indices and q of every
+    process's rows whose q was built (for the completions table).
+
+    ``valid`` narrows both to the rows whose q was built (a step that leaves rows out builds no q for them).
+    """
+    built = torch.ones_like(batch.valid) if valid is None else valid | ~batch.valid  # invalid: q = 0
+    valid = batch.valid if valid is None else valid
+    targets, scores, valid, built, sample_index = (
+        recorder.accelerator.gather(tensor)
+        for tensor in (batch.cache.targets, batch.scores, valid, built, batch.sample_index)
+    )
+    diagnostics = F.tpo_target_diagnostics(targets, scores, group_size, valid)
+    for name in ("target_entropy", "best_completion_target_mass"):  # informative fraction: at rollout
+        value = diagnostics[name].item()
+        if not math.isnan(value):
+            recorder.add(mode, f"tpo/{name}", value)
+    return sample_index[built], targets[built]

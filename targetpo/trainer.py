@@ -7,8 +7,9 @@ One training micro-step reads as:
 2. a rollout (``_rollout``) gets completions from the rollout backend (``generation/``: ``model.generate``, vLLM in
    process or a ``vllm serve`` process, possibly generated ahead), scores them, whitens the scores into ``u`` and,
    where the weights will have moved before the rollout is used, records the old log-probs and builds the target ``q``;
-3. ``compute_loss`` computes the policy's sequence log-probs, builds ``q`` from them (detached) if the rollout did
-   not, and returns the cross-entropy to ``q`` (plus ``beta * KL``).
+3. ``compute_loss`` computes the policy's token log-probs (``policy_logps.py``) and returns the loss of the objective
+   ``loss_type`` names (TPO: the cross-entropy to ``q``, built from the detached log-probs if the rollout did not) plus
+   the regularisers (``objectives.py``); what the step built for later iterations is kept in the batch's cache.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import math
-import os
 import time
 import warnings
 import weakref
@@ -27,7 +26,6 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object, set_seed
-from safetensors.torch import load_model, save_model
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -40,6 +38,7 @@ from transformers import (
 )
 
 from . import functional as F
+from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
 from .config import GRPOConfig, TargetPOConfig
 from .data import (
     NEEDS_PROCESSOR,
@@ -59,11 +58,9 @@ from .data import (
     validate_prompt_dataset,
 )
 from .distributed import (
-    all_gather_with_grad,
     check_engine_supported,
     failures_reach_every_process,
     full_model_for_generation,
-    groups_span_processes,
     prepare_frozen_model,
     shards_parameters,
 )
@@ -77,26 +74,22 @@ from .generation import (
     close_at_exit,
     unpadded_prompts,
 )
-from .metrics import MetricsRecorder
+from .metrics import MetricsRecorder, record_loss_metrics, record_targets
 from .modeling import (
     PromptLimit,
     apply_peft,
     cast_output_head_to_fp32,
-    completion_logps,
     disable_dropout,
-    forward_accepts_position_ids,
     from_pretrained_or_explain,
     frozen_reference,
     is_peft_model,
     is_vision_language,
-    liger_head_problem,
     load_processing_class,
     load_tokenizer,
     max_positions,
     mix_weights_into,
     model_identifier,
     require_liger,
-    supports_chunked_head,
 )
 from .multi_turn import (
     EnvironmentPool,
@@ -107,6 +100,9 @@ from .multi_turn import (
     left_pad,
     with_environment_reward,
 )
+from .objectives import TrainingLoss, build_objective, warn_if_grpo_config_trains_another_loss
+from .policy_logps import PolicyLogps, TokenLogps
+from .regularisers import EntropyBonus
 from .reporting import (
     RolloutTable,
     log_completions_to_trackers,
@@ -114,13 +110,11 @@ from .reporting import (
     push_completions_table,
 )
 from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardLogs, RewardScorer
-from .rollout.records import PROMPT_ALIGNED, RolloutBatch
+from .rollout.records import RolloutBatch
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
     IMAGE_COLUMNS,
-    SELF_POSITIONED_KEYS,
     EncodedPrompts,
-    collate_pixel_inputs,
     encode_prompts_with_images,
     image_column,
     is_processor,
@@ -129,10 +123,6 @@ from .vision import (
     with_image_objects,
     with_image_parts,
 )
-
-#: Files a checkpoint holds beside the Trainer's: the adaptive entropy coefficient, and the synced reference model.
-ENTROPY_STATE_FILE = "entropy_coefficient.json"
-REFERENCE_FILE = "reference_model.safetensors"
 
 #: The rollout's score statistics (``F.rollout_diagnostics``) and the names they are logged under.
 ROLLOUT_DIAGNOSTICS = {
@@ -214,15 +204,8 @@ class TargetPOTrainer(Trainer):
             args = TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
         if isinstance(args, GRPOConfig) and not isinstance(args, TargetPOConfig):
             # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
-            # trains the GRPO-family loss it names on this trainer's rollouts; a script whose imports alone changed
-            # would believe it trains TPO, so say which loss trains.
-            if args.loss_type != "tpo":
-                warnings.warn(
-                    f"args is a GRPOConfig, so this trainer trains its loss_type={args.loss_type!r} (a GRPO-family "
-                    "policy-gradient loss), not TPO. For TPO, pass a TargetPOConfig (same fields, loss_type='tpo' by "
-                    "default) or set loss_type='tpo'.",
-                    stacklevel=2,
-                )
+            # trains the GRPO-family loss it names on this trainer's rollouts.
+            warn_if_grpo_config_trains_another_loss(args)
             args = TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
         if not isinstance(args, TargetPOConfig):
             raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")
@@ -353,7 +336,7 @@ class TargetPOTrainer(Trainer):
                     "sync_ref_model=True is not supported with sharded weights (DeepSpeed ZeRO-3, FSDP2) yet: mixing "
                     "the policy into the reference needs both whole. Use ZeRO-1/2 or DDP, or sync_ref_model=False."
                 )
-            self.add_callback(_SyncReferenceModel(self))
+            self.add_callback(OnOptimizerStep(self._mix_policy_into_reference, every=args.ref_model_sync_steps))
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
         self._tokenizer = tokenizer
@@ -383,33 +366,21 @@ class TargetPOTrainer(Trainer):
         self._built_rollout_backend: RolloutBackend | None = None  # the one this trainer built, and closes
         self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
         self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
-        self._policy_gradient_settings = {
-            "importance_sampling_level": args.importance_sampling_level,
-            "epsilon_low": args.epsilon,
-            "epsilon_high": args.epsilon_high,
-            "delta": args.delta,
-            "sapo_temperature_pos": args.sapo_temperature_pos,
-            "sapo_temperature_neg": args.sapo_temperature_neg,
-            "vespo_parameters": (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
-        }
         self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
-        # The entropy bonus: its coefficient (adapted after each optimiser step with use_adaptive_entropy), the last
-        # step's mean entropy (none yet: no bonus before the first), and this step's entropy sum and token count.
-        self._entropy_bonus = args.entropy_coef != 0 or args.use_adaptive_entropy
-        self._entropy_coef = args.entropy_coef
-        self._last_step_entropy = math.inf
-        self._entropy_window = torch.zeros(2, device=self.accelerator.device)
-        if args.use_adaptive_entropy:
-            self.add_callback(_AdaptEntropyCoefficient(self))
-        # Rows whose policy-loss gradient is exactly 0 can be left out only while nothing else trains on them: no KL
-        # term, no entropy bonus, and no entropy quantile ranked over all of the batch's tokens.
-        # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
+        # The loss: the objective loss_type names, and the regularisers the run switches on. Mixture-of-experts models:
+        # the router's load-balancing loss joins it (TRL's router_aux_loss_coef).
         text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
         is_moe = getattr(text_config, "output_router_logits", None) is not None
-        self._router_aux_loss = is_moe and args.router_aux_loss_coef != 0
-        self._zero_gradient_rows_are_exact = (
-            args.beta == 0 and not self._entropy_bonus and args.top_entropy_quantile == 1 and not self._router_aux_loss
+        self._objective = build_objective(args, self.accelerator, self._group_size, self._local_slice)
+        self._loss = TrainingLoss(
+            self._objective,
+            args,
+            self.accelerator,
+            self.sampling.reshapes_distribution,
+            router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
         )
+        if args.use_adaptive_entropy:
+            self.add_callback(OnOptimizerStep(self._loss.entropy_bonus.adapt))
         if self._importance_sampling and self.sampling.reshapes_distribution:
             # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
             # their ratio would measure the truncation, not an implementation mismatch.
@@ -429,16 +400,17 @@ class TargetPOTrainer(Trainer):
                 stacklevel=2,
             )
         self._weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
-        self._use_position_ids = forward_accepts_position_ids(self.accelerator.unwrap_model(self.model))
-        # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
-        chunkable = supports_chunked_head(self.model) and not self._sharded
-        self._logps_chunk_size = (args.logps_chunk_size or None) if chunkable else None
-        # Tokens generation never samples get no probability in the trainer's log-probs either.
-        suppressed = self.sampling.suppressed_token_ids
-        self._suppressed_token_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=self.accelerator.device)
-        self._liger_logps = args.use_liger_kernel and self._liger_can_compute_logps(bool(suppressed))
-        if self._liger_logps:
-            self._logps_chunk_size = self._logps_chunk_size or 512  # the entropy metric is still computed in chunks
+        self._logps = PolicyLogps.for_model(
+            self.model,
+            self.accelerator.unwrap_model(self.model),
+            self.sampling.temperature,
+            self.sampling.suppressed_token_ids,
+            self.accelerator.device,
+            self._sharded,
+            args.use_liger_kernel,
+            args.logps_chunk_size,
+            rows_per_pass=args.per_device_train_batch_size,
+        )
 
         # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
         # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
@@ -452,7 +424,7 @@ class TargetPOTrainer(Trainer):
         self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
         self._upcoming: _UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
         if args.async_rollouts:
-            self.add_callback(_PushWeightsWhileGenerating(self))
+            self.add_callback(OnOptimizerStep(self._push_weights_while_generating))
         self._buffer: list[RolloutBatch] | None = None
         self._rollout_count = 0
         # Each metric's values since the last log, as a running mean (bounded when nothing logs).
@@ -496,22 +468,6 @@ class TargetPOTrainer(Trainer):
         The backend the trainer built stays open, so the new one may wrap it; :meth:`close` closes it."""
         self._rollout_backend = backend
         self._weights_version = None
-
-    def _liger_can_compute_logps(self, suppresses_tokens: bool) -> bool:
-        """Whether Liger's fused kernel can compute the log-probs exactly; if not, a warning says why."""
-        if shards_parameters(self.accelerator):
-            problem = "the weights are sharded (ZeRO-3 or FSDP2) and the kernel needs the whole output head"
-        elif suppresses_tokens:
-            problem = "generation suppresses tokens, which the kernel cannot leave out of the softmax"
-        else:
-            problem = liger_head_problem(self.model)
-        if problem is not None:
-            warnings.warn(
-                f"use_liger_kernel: the training log-probs do not use Liger's fused kernel because {problem}; they "
-                "are computed in chunks by torch instead.",
-                stacklevel=3,
-            )
-        return problem is None
 
     # ------------------------------------------------------------------------------------------------ data
     def _check_reward_arguments(self, split: str, columns: set[str], remove_unused_columns: bool) -> None:
@@ -760,8 +716,7 @@ class TargetPOTrainer(Trainer):
         extra_columns = self._record_reward_logs(reward_logs, mode)
         if mode == "train" and args.log_completions:
             self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all, extra_columns)
-        if args.loss_type == "tpo" and batch.old_per_token_logps is not None:
-            self._targets_at_rollout(batch, advantages_all, valid_all, mode)
+        self._targets_at_rollout(batch, advantages_all, valid_all, mode)
         self._record_rollout_metrics(completions, scores_per_func_all, scores_all, valid_all, mode)
         return batch
 
@@ -771,55 +726,33 @@ class TargetPOTrainer(Trainer):
         """What the loss needs of the rollout beyond its rows: its token count, the rows it may leave out, and the
         old and reference log-probs."""
         args = self.args
-        local = self._local_slice(len(batch))
-        completion_mask = batch.completion_mask
-        if args.loss_type in F.TOKEN_NORMALIZED_LOSSES:
-            # Each token is weighted by 1 / (the tokens of one optimiser step's accumulated batch, over every process),
-            # taken as the rollout's mean: exact when one optimiser step spans the rollout. The Trainer divides by the
-            # accumulation steps and DDP averages over processes, so one micro-step divides by its share.
-            tokens = self.accelerator.gather(completion_mask.sum()).sum().item()
-            steps = args.steps_per_generation if mode == "train" else 1
-            batch.loss_token_count = tokens / (steps * self.accelerator.num_processes)
-        if mode == "train" and args.skip_zero_gradient_completions and self._zero_gradient_rows_are_exact:
+        batch.loss_token_count = self._objective.rollout_token_count(batch.completion_mask, mode)
+        if mode == "train" and args.skip_zero_gradient_completions and self._loss.reaches_only_rows_with_gradient:
             # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
             # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
             batch.rollout_step = self.state.global_step
-            for key, policy_is_old in (
-                ("rows_with_gradient", False),
-                ("rows_with_gradient_at_rollout", args.disable_dropout),
-            ):
-                signal = F.rows_with_gradient(
-                    advantages_all, args.num_generations, valid_all, args.loss_type, policy_is_old
-                )
-                batch[key] = signal[local]
+            local = self._local_slice(len(batch))
+            with_gradient = self._objective.rows_with_gradient
+            batch.rows_with_gradient = with_gradient(advantages_all, valid_all, policy_is_old=False)[local]
+            batch.rows_with_gradient_at_rollout = with_gradient(advantages_all, valid_all, args.disable_dropout)[local]
         needs_old_logps = mode == "train" and self._needs_old_logps
         if needs_old_logps or args.beta > 0:
             what = "computing the old and reference log-probs"
             with self._failures_reach_every_process(what, local=not self._sharded):
                 if needs_old_logps:
-                    batch.old_per_token_logps = self._batched_logps(self.model, batch)
+                    batch.old_per_token_logps = self._logps.batched(self.model, batch)
                 if args.beta > 0:
-                    batch.ref_per_token_logps = self._reference_logps(batch)
+                    unwrap = self.accelerator.unwrap_model
+                    batch.ref_per_token_logps = self._logps.of_reference(batch, self.ref_model, self.model, unwrap)
 
     def _targets_at_rollout(
         self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str
     ) -> None:
-        """q from the old log-probs, built once at rollout (the weights move before the rollout is trained on)."""
-        args = self.args
-        local = self._local_slice(len(batch))
-        completion_mask = batch.completion_mask
-        old_sequence_logps = F.sequence_logps(
-            batch["old_per_token_logps"], completion_mask, args.tpo_length_normalize_logps
-        )
-        targets_all = F.tpo_targets(
-            self.accelerator.gather(old_sequence_logps),
-            advantages_all,
-            args.num_generations,
-            valid_all,
-            args.tpo_target_temperature,
-        )
-        batch["targets"] = targets_all[local]
-        self._record_targets(batch, mode)
+        """The objective's target (TPO's q), where it is built once at rollout: kept for every use of the rollout."""
+        targets = self._objective.targets_at_rollout(batch, advantages_all, valid_all)
+        if targets is not None:
+            batch.cache.targets = targets
+            self._record_targets(batch, mode)
 
     def _failures_reach_every_process(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
         """``failures_reach_every_process`` on this process's device, for local work.
@@ -1051,45 +984,34 @@ class TargetPOTrainer(Trainer):
         super()._load_from_checkpoint(*args, **kwargs)
         self._weights_version = None  # new weights that came without an optimiser step
 
-    # What a resumed run needs beyond the Trainer's own checkpoint: the adaptive entropy coefficient and the synced
-    # reference model have moved with training. Saved and loaded beside the optimiser (a checkpoint without the
-    # optimiser, save_only_model, cannot be resumed from anyway).
+    # What a resumed run needs beyond the Trainer's own checkpoint (``callbacks.py``), saved and loaded beside the
+    # optimiser (a checkpoint without the optimiser, save_only_model, cannot be resumed from anyway).
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if not self.args.should_save:
-            return
-        if self.args.use_adaptive_entropy:
-            state = {"entropy_coef": self._entropy_coef, "last_step_entropy": self._last_step_entropy}
-            with open(os.path.join(output_dir, ENTROPY_STATE_FILE), "w") as file:
-                json.dump(state, file)  # the entropy before the first step is inf: Python's json writes Infinity
-        if self.args.sync_ref_model and self.ref_model is not None:
-            save_model(self.accelerator.unwrap_model(self.ref_model), os.path.join(output_dir, REFERENCE_FILE))
+        if self.args.should_save:
+            save_checkpoint_extras(output_dir, *self._checkpoint_extras())
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        entropy_state, reference = (os.path.join(checkpoint, name) for name in (ENTROPY_STATE_FILE, REFERENCE_FILE))
-        if self.args.use_adaptive_entropy:
-            if os.path.exists(entropy_state):
-                with open(entropy_state) as file:
-                    state = json.load(file)
-                self._entropy_coef, self._last_step_entropy = state["entropy_coef"], state["last_step_entropy"]
-            else:  # a run that switches the entropy control on
-                warnings.warn(
-                    f"{checkpoint} holds no {ENTROPY_STATE_FILE} (it was saved without use_adaptive_entropy): the "
-                    f"adaptive entropy coefficient starts again from entropy_coef={self.args.entropy_coef}.",
-                    stacklevel=2,
-                )
-        if self.args.sync_ref_model and self.ref_model is not None:
-            if os.path.exists(reference):
-                load_model(self.accelerator.unwrap_model(self.ref_model), reference)
-            else:
-                warnings.warn(
-                    f"{checkpoint} holds no {REFERENCE_FILE} (it was saved without sync_ref_model): the reference "
-                    "model starts again from the model given to the trainer, not from the checkpoint's policy.",
-                    stacklevel=2,
-                )
+        if checkpoint is not None:
+            load_checkpoint_extras(checkpoint, *self._checkpoint_extras(), entropy_coef=self.args.entropy_coef)
+
+    def _checkpoint_extras(self) -> tuple[EntropyBonus | None, nn.Module | None]:
+        """What moves with training beyond the weights: the adaptive entropy bonus and the synced reference model."""
+        entropy_bonus = self._loss.entropy_bonus if self.args.use_adaptive_entropy else None
+        synced = self.args.sync_ref_model and self.ref_model is not None
+        return entropy_bonus, self.accelerator.unwrap_model(self.ref_model) if synced else None
+
+    def _mix_policy_into_reference(self) -> None:
+        """``sync_ref_model``: move the reference towards the policy by ``ref_model_mixup_alpha``."""
+        unwrap = self.accelerator.unwrap_model
+        mix_weights_into(unwrap(self.ref_model), unwrap(self.model), self.args.ref_model_mixup_alpha)
+
+    def _push_weights_while_generating(self) -> None:
+        """A rollout backend that is generating ahead gets the new weights at once: its in-flight requests go on with
+        them, so the rollout is as fresh as it can be."""
+        if self._upcoming is not None:
+            self._sync_rollout_weights()
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         super()._load_best_model(*args, **kwargs)
@@ -1146,81 +1068,11 @@ class TargetPOTrainer(Trainer):
         start = self.accelerator.process_index * local_size
         return slice(start, start + local_size)
 
-    def _batched_logps(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        """Per-token completion log-probs of a whole rollout, a training micro-batch at a time."""
-        chunk = self.args.per_device_train_batch_size
-        parts = []
-        for start in range(0, len(batch), chunk):
-            parts.append(self._token_logps(model, batch.rows(slice(start, start + chunk)))[0])
-        return torch.cat(parts)
-
-    def _token_logps(
-        self,
-        model: nn.Module,
-        batch: RolloutBatch,
-        with_entropy: bool = False,
-        rows: torch.Tensor | None = None,
-        entropy_grad: bool = False,
-        aux_loss_sink: list | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token completion log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them.
-
-        With ``rows`` (bool), only those rows go through the model; the others read 0 and carry no gradient. With
-        ``aux_loss_sink`` (a list) the forward pass's router load-balancing loss is appended to it.
-        """
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")
-        if rows is None or bool(rows.all()):
-            selected = None
-        elif rows.any():
-            selected = rows.nonzero().squeeze(-1)
-        else:
-            # Still one (the shortest) row through the model, masked out of the loss by the caller: every parameter
-            # then gets a zero gradient, as the full computation gives it. Without one, DDP and ZeRO wait for
-            # gradients that never come, and the optimiser would skip its step (momentum, weight decay) instead.
-            lengths = batch["prompt_mask"].sum(dim=1) + batch["completion_attention_mask"].sum(dim=1)
-            selected = lengths.argmin().reshape(1)
-        inputs = [batch[key] if selected is None else batch[key][selected] for key in keys]
-        image_inputs, prompt_aligned = None, None
-        pixel_inputs = batch.get("pixel_inputs")  # `batch` may be a plain dict of the four tensors above
-        if pixel_inputs is not None:  # prompts with images: the rows' pixels, and their prompts' per-token extras
-            pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
-            image_inputs = collate_pixel_inputs(pixel_rows)
-            prompt_aligned = {
-                key[len(PROMPT_ALIGNED) :]: value if selected is None else value[selected]
-                for key, value in batch.items()
-                if key.startswith(PROMPT_ALIGNED)
-            }
-        results = completion_logps(
-            model,
-            *inputs,
-            image_inputs=image_inputs,
-            prompt_aligned=prompt_aligned,
-            temperature=self.sampling.temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            router_aux_loss=aux_loss_sink is not None,
-            # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
-            use_position_ids=self._use_position_ids
-            and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
-            suppressed_token_ids=self._suppressed_token_ids,
-            chunk_size=self._logps_chunk_size,
-            liger=self._liger_logps,
-        )
-        logps, entropies = results[:2]
-        if aux_loss_sink is not None:  # a mixture-of-experts model's router load-balancing loss
-            aux_loss_sink.append(results[2])
-        if selected is None:
-            return logps, entropies
-        shape = batch["completion_ids"].shape
-        logps = logps.new_zeros(shape).index_copy(0, selected, logps)
-        entropies = entropies.new_zeros(shape).index_copy(0, selected, entropies) if entropies is not None else None
-        return logps, entropies
-
-    def _reference_logps(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.ref_model is not None:
-            return self._batched_logps(self.ref_model, batch)
-        with self.accelerator.unwrap_model(self.model).disable_adapter():
-            return self._batched_logps(self.model, batch)
+    def _token_logps(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token completion log-probs of ``batch`` (a RolloutBatch, or a dict of its four row tensors) under
+        ``model``, as sampling saw them, and no entropies."""
+        logps = self._logps(model, batch)
+        return logps.per_token, logps.entropies
 
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(
@@ -1235,69 +1087,42 @@ class TargetPOTrainer(Trainer):
         if not isinstance(inputs, RolloutBatch):  # a batch built by hand, keyed by the record's names
             inputs = RolloutBatch.from_mapping(inputs)
         mode = "train" if model.training else "eval"
-        args = self.args
         rows = self._rows_to_train(inputs, mode)
         # Rows left out count as invalid, all-masked members: each loss then gives them exactly 0 while keeping them
         # (and their groups) in its averages, which is what their zero gradient contributes.
-        mask = inputs["completion_mask"] if rows is None else inputs["completion_mask"] * rows.unsqueeze(-1)
-        valid = inputs["valid"] if rows is None else inputs["valid"] & rows
-        aux_losses = [] if self._router_aux_loss else None
+        mask = inputs.completion_mask if rows is None else inputs.completion_mask * rows.unsqueeze(-1)
+        valid = inputs.valid if rows is None else inputs.valid & rows
+        logps = self._policy_logps(model, inputs, rows, mask)
+        importance_sampling = mode == "train" and self._importance_sampling
+        terms = self._loss(logps, inputs, mask, valid, mode, importance_sampling)
+        # `inputs` is the rollout buffer's own step batch: what this use built serves its later uses (num_iterations).
+        inputs.cache = inputs.cache.updated(terms.built())
+        record_loss_metrics(self._metrics, mode, terms, logps.entropies, mask, rows)
+        if terms.objective.targets is not None:
+            self._record_targets(inputs, mode, valid)
+        self._require_finite_loss(terms.loss)
+        return terms.loss
+
+    def _policy_logps(
+        self, model: nn.Module, inputs: RolloutBatch, rows: torch.Tensor | None, mask: torch.Tensor
+    ) -> TokenLogps:
+        """The policy's token log-probs and entropies of the rows to train (and a router's loss), checked finite."""
+
+        def forward() -> TokenLogps:
+            entropy_grad = self._loss.entropy_bonus is not None
+            router_aux_loss = self._loss.router_aux_loss_coef is not None
+            return self._logps(model, inputs, True, rows, entropy_grad, router_aux_loss)
+
         # A forward pass that fails, or gives non-finite log-probs, on one process stops every process before the
-        # collectives below. A sharded model's forward is itself collectives: it runs before the guarded block. (DDP's
-        # forward opens with a buffer broadcast, which every process reaches: nothing that can fail precedes it.)
+        # collectives of the loss. A sharded model's forward is itself collectives: it runs before the guarded block.
+        # (DDP's forward opens with a buffer broadcast, which every process reaches: nothing that can fail precedes it.)
         if self._sharded:
-            per_token_logps, entropies = self._token_logps(
-                model, inputs, with_entropy=True, rows=rows, entropy_grad=self._entropy_bonus, aux_loss_sink=aux_losses
-            )
+            logps = forward()
         with self._failures_reach_every_process("computing the policy's token log-probs"):
             if not self._sharded:
-                per_token_logps, entropies = self._token_logps(
-                    model,
-                    inputs,
-                    with_entropy=True,
-                    rows=rows,
-                    entropy_grad=self._entropy_bonus,
-                    aux_loss_sink=aux_losses,
-                )
-            self._require_finite_logps(per_token_logps, mask)
-        if rows is not None:
-            self._metrics.mean(mode, "completions/skipped_fraction", 1 - rows.float().mean())
-        policy_logps = per_token_logps
-        if mode == "train" and self._importance_sampling and "sampler_per_token_logps" in inputs:
-            weights = self._importance_weights(per_token_logps, inputs, mask)
-            policy_logps = F.scale_token_gradients(per_token_logps, weights)
-        trained_tokens = self._trained_token_weights(per_token_logps, entropies, inputs, mask)
-        if args.loss_type == "tpo":
-            if trained_tokens is not None:  # the values, and so p and q, stay; the left-out tokens get no gradient
-                policy_logps = F.scale_token_gradients(policy_logps, trained_tokens.expand_as(policy_logps))
-            loss = self._target_loss(policy_logps, inputs, mask, valid, mode)
-        else:
-            loss = self._policy_gradient_loss(policy_logps, inputs, mask, mode, trained_tokens)
-        if args.beta > 0:
-            ratios = None
-            if args.use_bias_correction_kl:
-                old = inputs.get("old_per_token_logps", per_token_logps.detach())
-                level = args.importance_sampling_level if args.loss_type != "tpo" else "token"
-                ratios = torch.exp(F.log_importance_ratios(per_token_logps, old, mask, level))
-            kl = F.token_kl(per_token_logps, inputs["ref_per_token_logps"], mask, ratios)
-            loss = loss + args.beta * kl
-            self._metrics.mean(mode, "kl", kl.detach())
-        if self._entropy_bonus:
-            loss = loss - self._entropy_bonus_term(entropies, inputs, mask, trained_tokens, mode)
-        if aux_losses:
-            loss = loss + args.router_aux_loss_coef * aux_losses[0]
-            self._metrics.mean(mode, "aux_loss", aux_losses[0].detach())
-        self._metrics.token_mean(mode, "entropy", entropies.detach(), mask)
-        # Stop before backward, on every process together: a non-finite loss would put NaN into every weight.
-        with self._failures_reach_every_process("checking the loss"):
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"The loss is {loss.item()} at step {self.state.global_step} although the policy's log-probs are "
-                    "finite: a term overflowed (the KL to the reference, once the policy is far from it) or the "
-                    "rollout's old, reference or vLLM log-probs are not finite. Lower the learning rate, enable "
-                    "gradient clipping (max_grad_norm) or use bf16/fp32 instead of fp16."
-                )
-        return loss
+                logps = forward()
+            self._require_finite_logps(logps.per_token, mask)
+        return logps
 
     def _require_finite_logps(self, per_token_logps: torch.Tensor, mask: torch.Tensor) -> None:
         """A FloatingPointError when a token log-prob the loss uses is NaN or infinite (the model overflowed)."""
@@ -1310,6 +1135,17 @@ class TargetPOTrainer(Trainer):
                 "or use bf16/fp32 instead of fp16."
             )
 
+    def _require_finite_loss(self, loss: torch.Tensor) -> None:
+        """Stop before backward, on every process together: a non-finite loss would put NaN into every weight."""
+        with self._failures_reach_every_process("checking the loss"):
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"The loss is {loss.item()} at step {self.state.global_step} although the policy's log-probs are "
+                    "finite: a term overflowed (the KL to the reference, once the policy is far from it) or the "
+                    "rollout's old, reference or vLLM log-probs are not finite. Lower the learning rate, enable "
+                    "gradient clipping (max_grad_norm) or use bf16/fp32 instead of fp16."
+                )
+
     def _rows_to_train(self, inputs: RolloutBatch, mode: str) -> torch.Tensor | None:
         """The step batch's rows whose gradient can be non-zero (``F.rows_with_gradient``); None: every row."""
         if mode != "train" or "rows_with_gradient" not in inputs:
@@ -1317,168 +1153,6 @@ class TargetPOTrainer(Trainer):
         if self.state.global_step == inputs["rollout_step"]:
             return inputs["rows_with_gradient_at_rollout"]
         return inputs["rows_with_gradient"]
-
-    def _target_loss(
-        self, per_token_logps: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
-    ) -> torch.Tensor:
-        """Cross-entropy to q over whole groups, gathering the step batch when its groups span processes."""
-        args = self.args
-        sequence_logps = F.sequence_logps(per_token_logps, mask, args.tpo_length_normalize_logps)
-        span = self._groups_span_processes(mode)
-        gather = self.accelerator.gather if span else (lambda tensor: tensor)
-        sequence_logps_all = all_gather_with_grad(sequence_logps) if span else sequence_logps
-        valid_all = gather(valid)
-        if inputs.get("targets") is None:
-            targets_all = F.tpo_targets(
-                sequence_logps_all.detach(),
-                gather(inputs["advantages"]),
-                self._group_size(mode),
-                valid_all,
-                args.tpo_target_temperature,
-            )
-            # `inputs` is the rollout buffer's own entry: q is kept frozen for every later use of this step batch.
-            inputs["targets"] = targets_all[self._local_slice(len(sequence_logps))] if span else targets_all
-            self._record_targets(inputs, mode, valid)
-        else:
-            targets_all = gather(inputs["targets"])
-        return F.tpo_loss(sequence_logps_all, targets_all, self._group_size(mode), valid_all)
-
-    def _trained_token_weights(
-        self, per_token_logps: torch.Tensor, entropies: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor
-    ) -> torch.Tensor | None:
-        """0/1 weights of the tokens the policy loss trains on (``top_entropy_quantile``, ``off_policy_mask_threshold``);
-        None: all of them."""
-        args = self.args
-        weights = None
-        if args.top_entropy_quantile < 1:
-            # Ranked against every process's tokens of this micro-step, as one batch would be.
-            local = entropies.detach()[mask.bool()].float()
-            padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)  # entropies are >= 0
-            pool = self.accelerator.gather(padded)
-            weights = F.high_entropy_mask(entropies, mask, args.top_entropy_quantile, pool[pool >= 0]).float()
-        if args.off_policy_mask_threshold is not None:
-            # The policy that sampled: vLLM's log-probs where they describe the trainer's distribution, else the
-            # rollout's own (under top-k, penalties, ... vLLM's are of the reshaped one, as for the importance weights).
-            sampler = inputs.get("old_per_token_logps", per_token_logps.detach())
-            if not self.sampling.reshapes_distribution:
-                sampler = inputs.get("sampler_per_token_logps", sampler)
-            keep = F.off_policy_sequence_mask(
-                inputs["advantages"], per_token_logps, sampler, mask, args.off_policy_mask_threshold
-            ).float()
-            weights = keep if weights is None else weights * keep
-        return weights
-
-    def _entropy_bonus_term(
-        self, entropies: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor, trained_tokens: torch.Tensor | None, mode: str
-    ) -> torch.Tensor:
-        """``coefficient x`` the mean token entropy over the tokens the policy loss trains on.
-
-        With the token-normalised losses the sum is divided by the same token count as theirs, so that over an
-        optimiser step it adds up to the step's mean entropy, as the others' per-micro-step means do.
-        """
-        args = self.args
-        tokens = mask if trained_tokens is None else mask * trained_tokens
-        total = (entropies * tokens).sum()
-        if args.loss_type in F.TOKEN_NORMALIZED_LOSSES and args.loss_type != "bnpo":
-            mean_entropy = total / max(inputs["loss_token_count"], 1)
-        else:
-            mean_entropy = total / tokens.sum().clamp(min=1)
-        coefficient = self._entropy_coef
-        if args.use_adaptive_entropy:
-            coefficient = coefficient if self._last_step_entropy <= args.entropy_target else 0.0
-            if mode == "train":
-                self._entropy_window += torch.stack([total.detach(), tokens.sum()]).float()
-        self._metrics[mode]["entropy_coef"].append(coefficient)
-        return coefficient * mean_entropy
-
-    def _adapt_entropy_coef(self) -> None:
-        """After an optimiser step: move the adaptive entropy coefficient towards keeping entropy at its target."""
-        args = self.args
-        total, count = self.accelerator.reduce(self._entropy_window, reduction="sum").tolist()
-        self._entropy_window.zero_()
-        if count == 0:
-            return
-        self._last_step_entropy = total / count
-        if self._last_step_entropy <= args.entropy_target:
-            self._entropy_coef = min(self._entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
-        else:
-            self._entropy_coef = max(self._entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
-
-    def _policy_gradient_loss(
-        self,
-        per_token_logps: torch.Tensor,
-        inputs: RolloutBatch,
-        mask: torch.Tensor,
-        mode: str,
-        trained_tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """A GRPO-family loss (``F.policy_gradient_loss``) of the step batch, and where its clipping bites."""
-        args = self.args
-        old = inputs.get("old_per_token_logps", per_token_logps.detach())
-        if args.loss_type == "bnpo":
-            token_count = inputs["completion_mask"].sum()  # the local batch's, rows left out of this pass included
-        else:
-            token_count = inputs.get("loss_token_count")  # dapo, cispo, vespo: fixed at rollout; others: unused
-        loss = F.policy_gradient_loss(
-            per_token_logps,
-            old,
-            inputs["advantages"],
-            mask,
-            args.loss_type,
-            max_completion_length=args.max_completion_length,
-            token_count=token_count,
-            token_weights=trained_tokens,
-            **self._policy_gradient_settings,
-        )
-        fractions = F.clip_fractions(
-            per_token_logps.detach(),
-            old,
-            inputs["advantages"],
-            mask,
-            args.loss_type,
-            args.importance_sampling_level,
-            args.epsilon,
-            args.epsilon_high,
-        )
-        if args.loss_type == "cispo":
-            self._metrics.token_mean(mode, "cispo_clip_ratio", fractions["high"], mask)
-        else:
-            for name, clipped in fractions.items():
-                self._metrics.token_mean(mode, f"clip_ratio/{name}_mean", clipped, mask)
-            # The most clipped sequence in each direction, as a fraction of its tokens.
-            for name, extreme in (("low", "min"), ("high", "max")):
-                self._metrics.sequence_extreme(mode, f"clip_ratio/{name}_{extreme}", fractions.get(name), mask, extreme)
-        return loss
-
-    def _importance_weights(self, per_token_logps: torch.Tensor, inputs: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
-        """Token weights ``p_trainer / p_vllm`` of a step batch, bounded as ``vllm_importance_sampling_mode`` says,
-        computed once and kept.
-
-        The trainer's side is its own rollout-time log-probs, the same ones ``p_old`` (and so ``q``) is built from.
-        """
-        if "importance_weights" not in inputs:
-            old = inputs.get("old_per_token_logps")
-            if old is None:  # every use is in this optimiser step, over the same rows: those in `mask`
-                old = per_token_logps.detach()
-            else:  # kept for later steps, which may train rows this one leaves out
-                mask = inputs["completion_mask"]
-            sampler = inputs["sampler_per_token_logps"]
-            args = self.args
-            weights = F.importance_sampling_weights(
-                old,
-                sampler,
-                mask,
-                args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_min,
-                args.importance_sampling_clip_max,
-            )
-            inputs["importance_weights"] = weights  # the rollout buffer's own entry: reused by later epochs
-            self._record_importance_weights(old, sampler, weights, mask)
-        return inputs["importance_weights"]
-
-    def _groups_span_processes(self, mode: str) -> bool:
-        per_device = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        return groups_span_processes(per_device, self._group_size(mode), self.accelerator.num_processes)
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):
         inputs = self._prepare_inputs(inputs)
@@ -1516,45 +1190,12 @@ class TargetPOTrainer(Trainer):
             if not math.isnan(value):  # reward_std has none when no completion is valid
                 metrics[logged_as].append(value)
 
-    def _record_importance_weights(
-        self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
-    ) -> None:
-        """How far vLLM's sampling log-probs are from the trainer's, and how much the correction reweights."""
-        on = mask.bool()
-        difference = torch.where(on, (trainer_logps - sampler_logps).abs(), torch.zeros_like(weights))
-        self._metrics.token_mean("train", "vllm/logp_abs_diff", difference, mask)
-        self._metrics.token_mean("train", "vllm/importance_weight_mean", weights, mask)
-        # Where the ratio fell outside the bounds (clamped or zeroed).
-        args = self.args
-        level = args.vllm_importance_sampling_mode.split("_")[0]
-        ratios = F.importance_sampling_weights(trainer_logps, sampler_logps, mask, f"{level}_truncate", None, None)
-        low = args.vllm_importance_sampling_clip_min or 0.0
-        outside = ((ratios > args.importance_sampling_clip_max) | (ratios < low)).float()
-        self._metrics.token_mean("train", "vllm/importance_weight_capped_fraction", outside, mask)
-        lowest = torch.where(on, weights, torch.full_like(weights, math.inf)).min().reshape(1)
-        lowest = self.accelerator.gather(lowest).min().item()
-        if lowest < math.inf:  # no token at all when a step skips every completion
-            self._metrics["train"]["vllm/importance_weight_min"].append(lowest)
-
     def _record_targets(self, batch: RolloutBatch, mode: str, valid: torch.Tensor | None = None) -> None:
-        """The paper's diagnostics of a freshly built q over all processes, and q itself for the completions table.
-
-        ``valid`` narrows both to the rows whose q was built (a step that leaves rows out builds no q for them).
-        """
-        built = torch.ones_like(batch["valid"]) if valid is None else valid | ~batch["valid"]  # invalid: q = 0
-        valid = batch["valid"] if valid is None else valid
-        targets, scores, valid, built, sample_index = (
-            self.accelerator.gather(tensor)
-            for tensor in (batch["targets"], batch["scores"], valid, built, batch["sample_index"])
-        )
-        diagnostics = F.tpo_target_diagnostics(targets, scores, self._group_size(mode), valid)
-        for name in ("target_entropy", "best_completion_target_mass"):  # informative fraction: at rollout
-            value = diagnostics[name].item()
-            if not math.isnan(value):
-                self._metrics[mode][f"tpo/{name}"].append(value)
+        """The diagnostics of a freshly built q (``record_targets``), and q itself for the completions table."""
+        sample_index, targets = record_targets(self._metrics, mode, batch, self._group_size(mode), valid)
         table = self._completion_table
-        if mode == "train" and table is not None and table.rollout == batch["rollout"]:
-            table.fill_targets(sample_index[built].tolist(), targets[built].tolist())
+        if mode == "train" and table is not None and table.rollout == batch.rollout:
+            table.fill_targets(sample_index.tolist(), targets.tolist())
 
     def _record_reward_logs(self, logs: RewardLogs, mode: str) -> dict[str, list[Any]]:
         """Average the metrics reward functions logged over every process; return their extra columns, gathered (a
@@ -1677,38 +1318,3 @@ def _same_model_inputs(first: PromptImages | None, second: PromptImages | None) 
     return one.keys() == other.keys() and all(
         one[key].shape == other[key].shape and torch.equal(one[key], other[key]) for key in one
     )
-
-
-class _PushWeightsWhileGenerating(TrainerCallback):
-    """After each optimiser step, give a rollout backend that is generating ahead the new weights at once: its
-    in-flight requests go on with them, so the rollout is as fresh as it can be."""
-
-    def __init__(self, trainer: TargetPOTrainer):
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer._upcoming is not None:
-            self.trainer._sync_rollout_weights()
-
-
-class _AdaptEntropyCoefficient(TrainerCallback):
-    """After each optimiser step, adapt the entropy bonus's coefficient to the step's entropy (on every process)."""
-
-    def __init__(self, trainer: TargetPOTrainer):
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._adapt_entropy_coef()
-
-
-class _SyncReferenceModel(TrainerCallback):
-    """Every ``ref_model_sync_steps`` optimiser steps, mix the policy into the reference (``sync_ref_model``)."""
-
-    def __init__(self, trainer: TargetPOTrainer):
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step % args.ref_model_sync_steps == 0:
-            trainer = self.trainer
-            unwrap = trainer.accelerator.unwrap_model
-            mix_weights_into(unwrap(trainer.ref_model), unwrap(trainer.model), args.ref_model_mixup_alpha)

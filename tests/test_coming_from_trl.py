@@ -276,8 +276,8 @@ def test_a_resumed_run_goes_on_with_the_entropy_coefficient_and_the_synced_refer
     checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
     assert json.loads((checkpoint / "entropy_coefficient.json").read_text())["entropy_coef"] == pytest.approx(0.2)
     resumed = run(tmp_path / "c", resume=str(checkpoint))
-    assert straight._entropy_coef == pytest.approx(0.3)  # raised after each of the 4 steps (entropy under target)
-    assert resumed._entropy_coef == pytest.approx(straight._entropy_coef)
+    assert straight._loss.entropy_bonus.coefficient == pytest.approx(0.3)  # raised after each of the 4 steps (entropy under target)
+    assert resumed._loss.entropy_bonus.coefficient == pytest.approx(straight._loss.entropy_bonus.coefficient)
     for model in ("ref_model", "model"):
         resumed_weights = dict(getattr(resumed, model).named_parameters())
         for name, value in getattr(straight, model).named_parameters():
@@ -324,7 +324,7 @@ def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_pat
     with torch.no_grad():
         hidden = model.model(input_ids=ids, attention_mask=attention, position_ids=positions).last_hidden_state
         logits = hidden[:, batch["prompt_ids"].size(1) - 1 : -1].float() @ model.lm_head.weight.T
-    suppressed = trainer._suppressed_token_ids
+    suppressed = trainer._logps.suppressed_token_ids
     logits[..., suppressed] = float("-inf")
     expected = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
     mask = batch["completion_attention_mask"].bool()
@@ -361,7 +361,7 @@ def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf
 
     def by_hand(logits):
         logits = logits.clone()
-        logits[..., trainer._suppressed_token_ids] = float("-inf")
+        logits[..., trainer._logps.suppressed_token_ids] = float("-inf")
         return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
     mask = batch["completion_attention_mask"].bool()

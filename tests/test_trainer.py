@@ -11,10 +11,11 @@ from datasets import Dataset
 from scripted_policies import script_ended_or_cut
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-import targetpo.trainer as trainer_module
+import targetpo.policy_logps as policy_logps_module
 from targetpo import TargetPOTrainer
 from targetpo import functional as F
 from targetpo.demo import build_tiny_causal_lm
+from targetpo.objectives import TargetObjective
 from targetpo.rollout.records import RolloutBatch
 
 
@@ -156,13 +157,13 @@ class _Recorder:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        original = trainer_module.completion_logps
+        original = policy_logps_module.completion_logps
 
         def counting(*args, **kwargs):
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(trainer_module, "completion_logps", counting)
+        monkeypatch.setattr(policy_logps_module, "completion_logps", counting)
 
 
 def test_single_use_rollout_makes_no_extra_forward(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
@@ -190,7 +191,7 @@ def test_gradient_accumulation_over_a_rollout_needs_no_old_logps(tmp_path, tiny_
 def test_several_iterations_freeze_q_at_rollout(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
     recorder = _Recorder(monkeypatch)
     seen = []
-    original_loss, original_target_loss = F.tpo_loss, TargetPOTrainer._target_loss
+    original_loss, original_target_loss = F.tpo_loss, TargetObjective.cross_entropy_to_targets
 
     def recording_target_loss(self, per_token_logps, inputs, *args):
         seen.append({"inputs": inputs, "current": F.sequence_logps(per_token_logps.detach(), inputs["completion_mask"])})
@@ -200,7 +201,7 @@ def test_several_iterations_freeze_q_at_rollout(tmp_path, tiny_model, tokenizer,
         seen[-1]["targets"] = targets.clone()  # the q the loss is really fitted to at this micro-step
         return original_loss(sequence_logps, targets, *args, **kwargs)
 
-    monkeypatch.setattr(TargetPOTrainer, "_target_loss", recording_target_loss)
+    monkeypatch.setattr(TargetObjective, "cross_entropy_to_targets", recording_target_loss)
     monkeypatch.setattr(F, "tpo_loss", recording_loss)
     args = make_config(tmp_path, num_iterations=2, max_steps=4, skip_zero_gradient_completions=False)
     trainer = TargetPOTrainer(
@@ -488,14 +489,14 @@ def test_dropout_is_disabled_everywhere(tmp_path, tokenizer, prompt_dataset):
 
 def test_truncated_completions_are_invalid_when_masked(tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch):
     batches = []
-    original = TargetPOTrainer._target_loss
+    original = TargetObjective.cross_entropy_to_targets
 
     def recording(self, per_token_logps, inputs, mask, valid, mode):
         loss = original(self, per_token_logps, inputs, mask, valid, mode)
         batches.append(inputs)
         return loss
 
-    monkeypatch.setattr(TargetPOTrainer, "_target_loss", recording)
+    monkeypatch.setattr(TargetObjective, "cross_entropy_to_targets", recording)
     # Only 'a', 'b' and EOS may be sampled, and the script makes "a" end and "b" run on to the 3-token limit: each
     # completion is one or the other about evenly, so 24 of them are all one kind with probability 1e-7.
     script_ended_or_cut(tiny_model, tokenizer, ending="a", running="b")
@@ -567,13 +568,13 @@ class _RowCounter:
 
     def __init__(self, monkeypatch):
         self.rows = []
-        original = trainer_module.completion_logps
+        original = policy_logps_module.completion_logps
 
         def counting(model, prompt_ids, *args, **kwargs):
             self.rows.append(prompt_ids.size(0))
             return original(model, prompt_ids, *args, **kwargs)
 
-        monkeypatch.setattr(trainer_module, "completion_logps", counting)
+        monkeypatch.setattr(policy_logps_module, "completion_logps", counting)
 
 
 def _first_rollout(trainer):

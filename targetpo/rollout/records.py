@@ -28,7 +28,11 @@ class StepCache:
     importance_weights: torch.Tensor | None = None  # p_trainer / p_sampler per token, bounded
 
     def rows(self, index: slice) -> StepCache:
-        return StepCache(*(None if value is None else value[index] for value in dataclasses.astuple(self)))
+        return StepCache(*(None if value is None else value[index] for value in _values(self)))
+
+    def updated(self, built: StepCache) -> StepCache:
+        """This cache with what a use of the step batch ``built`` (its fields that are not None) added."""
+        return StepCache(*(new if new is not None else kept for kept, new in zip(_values(self), _values(built))))
 
 
 @dataclass
@@ -132,6 +136,11 @@ class RolloutBatch:
         if key in _FIELDS and key not in ("cache", "prompt_aligned"):
             return getattr(self, key)
         return None
+
+
+def _values(cache: StepCache) -> list[Any]:
+    """The cache's fields in order, not copied (``dataclasses.astuple`` would deep-copy the tensors)."""
+    return [getattr(cache, spec.name) for spec in dataclasses.fields(cache)]
 
 
 _FIELDS = {spec.name for spec in dataclasses.fields(RolloutBatch)}

@@ -1,0 +1,172 @@
+"""The trainer's token log-probs of a rollout's completions: which rows go through the model, their images, and the
+settings (temperature, suppressed tokens, chunked or Liger head) that make them the log-probs sampling saw.
+
+The kernels themselves (``completion_logps``) live in ``modeling``; this module decides what to feed them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .modeling import completion_logps, forward_accepts_position_ids, liger_head_problem, supports_chunked_head
+from .rollout.records import PROMPT_ALIGNED
+from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
+
+#: The four tensors every batch of rows has, in ``completion_logps``'s order.
+ROW_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")
+
+
+class TokenLogps(NamedTuple):
+    """A forward pass's per-token completion log-probs, entropies (or None) and router aux loss (or None)."""
+
+    per_token: torch.Tensor
+    entropies: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+
+
+class PolicyLogps:
+    """Per-token completion log-probs of rollout rows under a model (the policy, its old self or the reference)."""
+
+    def __init__(
+        self,
+        temperature: float,
+        suppressed_token_ids: torch.Tensor,
+        use_position_ids: bool,
+        chunk_size: int | None,
+        liger: bool,
+        rows_per_pass: int,
+    ):
+        self.temperature = temperature
+        self.suppressed_token_ids = suppressed_token_ids  # tokens sampling never picks get no probability here either
+        self.use_position_ids = use_position_ids
+        self.chunk_size = chunk_size
+        self.liger = liger
+        self.rows_per_pass = rows_per_pass
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        unwrapped: nn.Module,
+        temperature: float,
+        suppressed: set[int],
+        device: torch.device,
+        sharded: bool,
+        use_liger_kernel: bool,
+        chunk_size: int | None,
+        rows_per_pass: int,
+    ) -> PolicyLogps:
+        """The settings that fit ``model`` (as the trainer wraps it): chunks and Liger only where they are exact."""
+        # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
+        chunk_size = (chunk_size or None) if supports_chunked_head(model) and not sharded else None
+        liger = use_liger_kernel and _liger_can_compute_logps(model, sharded, bool(suppressed))
+        if liger:
+            chunk_size = chunk_size or 512  # the entropy metric is still computed in chunks
+        suppressed_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=device)
+        return cls(
+            temperature, suppressed_ids, forward_accepts_position_ids(unwrapped), chunk_size, liger, rows_per_pass
+        )
+
+    def __call__(
+        self,
+        model: nn.Module,
+        batch: Mapping[str, Any],
+        with_entropy: bool = False,
+        rows: torch.Tensor | None = None,
+        entropy_grad: bool = False,
+        router_aux_loss: bool = False,
+    ) -> TokenLogps:
+        """Log-probs (and entropies) of ``batch`` under ``model``, as sampling saw them.
+
+        With ``rows`` (bool), only those rows go through the model; the others read 0 and carry no gradient.
+        ``batch`` may be a plain mapping of the four ``ROW_TENSORS``.
+        """
+        selected = _selected_rows(batch, rows)
+        take = (lambda value: value) if selected is None else (lambda value: value[selected])
+        image_inputs, prompt_aligned = None, None
+        pixel_inputs = batch.get("pixel_inputs")
+        if pixel_inputs is not None:  # prompts with images: the rows' pixels, and their prompts' per-token extras
+            pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
+            image_inputs = collate_pixel_inputs(pixel_rows)
+            prompt_aligned = {  # read by key: `batch` may be a dict copy of a record
+                key[len(PROMPT_ALIGNED) :]: take(value) for key, value in batch.items() if key.startswith(PROMPT_ALIGNED)
+            }
+        results = completion_logps(
+            model,
+            *(take(batch[key]) for key in ROW_TENSORS),
+            image_inputs=image_inputs,
+            prompt_aligned=prompt_aligned,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            router_aux_loss=router_aux_loss,
+            # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
+            use_position_ids=self.use_position_ids
+            and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
+            suppressed_token_ids=self.suppressed_token_ids,
+            chunk_size=self.chunk_size,
+            liger=self.liger,
+        )
+        logps, entropies = results[:2]
+        aux_loss = results[2] if router_aux_loss else None
+        if selected is not None:
+            logps, entropies = (_scatter_rows(value, selected, batch) for value in (logps, entropies))
+        return TokenLogps(logps, entropies, aux_loss)
+
+    def batched(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Log-probs of a whole rollout, a training micro-batch at a time."""
+        parts = []
+        for start in range(0, len(batch), self.rows_per_pass):
+            parts.append(self(model, batch.rows(slice(start, start + self.rows_per_pass))).per_token)
+        return torch.cat(parts)
+
+    def of_reference(
+        self, batch: Any, reference: nn.Module | None, policy: nn.Module, unwrap: Callable[[nn.Module], nn.Module]
+    ) -> torch.Tensor:
+        """The reference's log-probs: its frozen copy's, or under PEFT the policy's with its adapters switched off."""
+        if reference is not None:
+            return self.batched(reference, batch)
+        with unwrap(policy).disable_adapter():
+            return self.batched(policy, batch)
+
+
+def _selected_rows(batch: Mapping[str, Any], rows: torch.Tensor | None) -> torch.Tensor | None:
+    """Indices of the rows to pass through the model; None: all of them."""
+    if rows is None or bool(rows.all()):
+        return None
+    if rows.any():
+        return rows.nonzero().squeeze(-1)
+    # Still one (the shortest) row through the model, masked out of the loss by the caller: every parameter then gets
+    # a zero gradient, as the full computation gives it. Without one, DDP and ZeRO wait for gradients that never come,
+    # and the optimiser would skip its step (momentum, weight decay) instead.
+    lengths = batch["prompt_mask"].sum(dim=1) + batch["completion_attention_mask"].sum(dim=1)
+    return lengths.argmin().reshape(1)
+
+
+def _scatter_rows(values: torch.Tensor | None, selected: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The selected rows' values in place, 0 for every other row of ``batch``."""
+    if values is None:
+        return None
+    return values.new_zeros(batch["completion_ids"].shape).index_copy(0, selected, values)
+
+
+def _liger_can_compute_logps(model: nn.Module, sharded: bool, suppresses_tokens: bool) -> bool:
+    """Whether Liger's fused kernel can compute the log-probs exactly; if not, a warning says why."""
+    if sharded:
+        problem = "the weights are sharded (ZeRO-3 or FSDP2) and the kernel needs the whole output head"
+    elif suppresses_tokens:
+        problem = "generation suppresses tokens, which the kernel cannot leave out of the softmax"
+    else:
+        problem = liger_head_problem(model)
+    if problem is not None:
+        warnings.warn(
+            f"use_liger_kernel: the training log-probs do not use Liger's fused kernel because {problem}; they "
+            "are computed in chunks by torch instead.",
+            stacklevel=4,
+        )
+    return problem is None
