@@ -288,7 +288,8 @@ def test_policy_and_reward_model_load_their_tokenizers_from_their_directories_wi
     # it pads with EOS (the reward model's config takes that pad id to find each row's last token).
     eos_id = tokenizer.eos_token_id
     policy_dir, reward_dir = tmp_path / "policy", tmp_path / "reward"
-    build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128).save_pretrained(policy_dir)
+    policy = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128)
+    policy.save_pretrained(policy_dir)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=1)
     Qwen2ForSequenceClassification(config).save_pretrained(reward_dir)
