@@ -19,6 +19,11 @@ from torch import nn
 from .loading import Float32OutputHead, is_peft_model
 
 
+def _nonempty(token_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``token_ids``, or None when there are none."""
+    return token_ids if token_ids is not None and token_ids.numel() > 0 else None
+
+
 def _sampled_logits(
     logits: torch.Tensor, temperature: float, suppressed_token_ids: torch.Tensor | None, in_place: bool = False
 ) -> torch.Tensor:
@@ -28,15 +33,11 @@ def _sampled_logits(
     """
     if temperature != 1.0:
         logits = logits.div_(temperature) if in_place else logits / temperature
-    if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
+    suppressed_token_ids = _nonempty(suppressed_token_ids)
+    if suppressed_token_ids is not None:
         fill = logits.index_fill_ if in_place else logits.index_fill
         logits = fill(-1, suppressed_token_ids, float("-inf"))
     return logits
-
-
-def _nonempty(token_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """``token_ids``, or None when there are none."""
-    return token_ids if token_ids is not None and token_ids.numel() > 0 else None
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
