@@ -19,7 +19,7 @@ import torch
 from machine import environment, report
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from targetpo import modeling
+from targetpo.modeling import logps as kernels
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,13 +39,13 @@ def parse_args() -> argparse.Namespace:
 @contextmanager
 def checkpointed_head(on: bool):
     """Make every head take the checkpointed autograd path (``on``), as a non-plain head would."""
-    plain = modeling._is_plain_linear_head
+    plain = kernels._is_plain_linear_head
     if on:
-        modeling._is_plain_linear_head = lambda head: False
+        kernels._is_plain_linear_head = lambda head: False
     try:
         yield
     finally:
-        modeling._is_plain_linear_head = plain
+        kernels._is_plain_linear_head = plain
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
     def step(checkpointed: bool, entropy_bonus: bool) -> torch.Tensor:
         with checkpointed_head(checkpointed):
             model.zero_grad(set_to_none=True)
-            logps, entropies = modeling.completion_logps(
+            logps, entropies = kernels.completion_logps(
                 model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, temperature=0.9,
                 with_entropy=True, entropy_grad=entropy_bonus, chunk_size=args.chunk_size,
             )

@@ -102,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict:
             return logps, entropy
 
     elif args.variant.startswith("targetpo"):
-        from targetpo.modeling import completion_logps
+        from targetpo.modeling.logps import completion_logps
 
         chunk_size = None if args.variant == "targetpo_full_logits" else args.chunk_size
         liger = args.variant == "targetpo_liger"  # the log-probs through Liger's kernel, the entropies chunked

@@ -93,7 +93,7 @@ from targetpo.demo import (
     reverse_task_dataset,
     reverse_task_tokenizer,
 )
-from targetpo.modeling import from_pretrained_or_explain
+from targetpo.modeling.loading import from_pretrained_or_explain
 
 
 def exact_match_reward(completions, solution, **kwargs) -> list[float]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import datasets
 import torch
@@ -13,6 +13,7 @@ from torch.utils.data import Sampler
 
 from .vision import IMAGE_COLUMNS, row_images
 
+T = TypeVar("T")
 #: Dataset columns that carry images (or other media) for vision-language prompts.
 MEDIA_COLUMNS = frozenset({"image", "images", "video", "videos", "audio"})
 #: Why prompts with images cannot be trained on, when the policy's processing class is a tokenizer.
@@ -224,7 +225,7 @@ class RolloutRows(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, ...]) -> dict[str, Any]:
         index, use, *upcoming = key
-        row = {**self.dataset[index], ROLLOUT_USE: use}
+        row = _tagged(self.dataset[index], use)
         if upcoming:
             row[UPCOMING_ROW] = self.dataset[upcoming[0]] if upcoming[0] >= 0 else None
         return row
@@ -321,7 +322,12 @@ class RolloutStream(torch.utils.data.IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        chunk: list[dict[str, Any]] = []
+        chunks = _whole_chunks(self._checked_rows(), self.prompts_per_rollout)
+        for row, use in _served_in_rollouts(chunks, self.num_generations, self.repeat_count):
+            yield _tagged(row, use) if self.tag_uses else row
+
+    def _checked_rows(self) -> Iterator[dict[str, Any]]:
+        """The stream's rows, each refused as it arrives if its prompt is missing or unusable."""
         for index, row in enumerate(self.dataset):
             if not isinstance(row, dict) or "prompt" not in row:
                 found = list(row) if isinstance(row, dict) else type(row).__name__
@@ -329,14 +335,32 @@ class RolloutStream(torch.utils.data.IterableDataset):
             problem = prompt_problem(row["prompt"], self.images_allowed)
             if problem is not None:
                 raise ValueError(f"The {self.split} dataset's prompt in row {index} {problem[0]}; {problem[1]}")
-            chunk.append(row)
-            if len(chunk) < self.prompts_per_rollout:
-                continue
-            for use in range(self.repeat_count):
-                for prompt_row in chunk:
-                    tagged = {**prompt_row, ROLLOUT_USE: use} if self.tag_uses else prompt_row
-                    yield from [tagged] * self.num_generations
+            yield row
+
+
+def _whole_chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """``items`` in consecutive lists of ``size``; a shorter trailing list is dropped, so every rollout is as large."""
+    chunk: list[T] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
             chunk = []
+
+
+def _served_in_rollouts(chunks: Iterable[list[T]], num_generations: int, repeat_count: int) -> Iterator[tuple[T, int]]:
+    """The order rollouts read their prompts in, as ``(item, use)``: each chunk (one rollout's prompts) served
+    ``repeat_count`` times (``use`` counts them), each of its items ``num_generations`` times in a row."""
+    for chunk in chunks:
+        for use in range(repeat_count):
+            for item in chunk:
+                for _ in range(num_generations):
+                    yield item, use
+
+
+def _tagged(row: dict[str, Any], use: int) -> dict[str, Any]:
+    """A copy of ``row`` that says which use of its rollout it is read for (``ROLLOUT_USE``)."""
+    return {**row, ROLLOUT_USE: use}
 
 
 def lookahead_use(uses_per_rollout: int, accumulation_steps: int, max_staleness: int) -> int:
@@ -404,19 +428,17 @@ class RepeatSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int | tuple[int, ...]]:
         size = self.prompts_per_rollout
-        num_chunks = self.num_prompts // size
-        chunks = [self._order(self.epoch)[start * size : (start + 1) * size] for start in range(num_chunks)]
-        for chunk_index, chunk in enumerate(chunks):
-            upcoming = chunks[chunk_index + 1] if chunk_index + 1 < num_chunks else self._order(self.epoch + 1)[:size]
-            for use in range(self.repeat_count):
-                for place, index in enumerate(chunk):
-                    if not self.tag_uses:
-                        key: int | tuple[int, ...] = index
-                    elif self.lookahead_use is None:
-                        key = (index, use)
-                    else:
-                        key = (index, use, upcoming[place] if use == self.lookahead_use else -1)
-                    yield from [key] * self.num_generations
+        chunks = list(_whole_chunks(self._order(self.epoch), size))
+        # Each prompt paired with the one at its place in the next chunk (the next epoch's first, after the last).
+        upcoming = [*chunks[1:], self._order(self.epoch + 1)[:size]]
+        paired = (list(zip(chunk, following)) for chunk, following in zip(chunks, upcoming))
+        for (index, upcoming_index), use in _served_in_rollouts(paired, self.num_generations, self.repeat_count):
+            if not self.tag_uses:
+                yield index
+            elif self.lookahead_use is None:
+                yield index, use
+            else:
+                yield index, use, upcoming_index if use == self.lookahead_use else -1
 
     def __len__(self) -> int:
         num_chunks = self.num_prompts // self.prompts_per_rollout

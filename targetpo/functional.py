@@ -338,7 +338,7 @@ def token_kl(
     ratio: the estimate is then unbiased for the current policy although the tokens were sampled from the old one.
     """
     mask = completion_mask.bool()
-    log_ratio = torch.where(mask, ref_per_token_logps - per_token_logps, torch.zeros_like(per_token_logps))
+    log_ratio = _masked_log_ratio(ref_per_token_logps, per_token_logps, mask)
     per_token = torch.exp(log_ratio) - log_ratio - 1
     if importance_ratios is not None:
         per_token = torch.where(mask, per_token * importance_ratios, torch.zeros_like(per_token))
@@ -393,11 +393,10 @@ def off_policy_sequence_mask(
 ) -> torch.Tensor:
     """``(B, 1)`` float: 0 for a completion with a negative advantage whose mean token KL from the sampling policy,
     ``mean(log p_sampler - log p)``, exceeds ``threshold`` (it is too far off-policy to push down); 1 otherwise."""
-    mask = completion_mask.bool()
-    divergence = torch.where(
-        mask, sampler_per_token_logps - per_token_logps.detach(), torch.zeros_like(per_token_logps)
+    # The mean token log ratio log(p / p_sampler), negated.
+    mean_divergence = -log_importance_ratios(
+        per_token_logps.detach(), sampler_per_token_logps, completion_mask, "sequence"
     )
-    mean_divergence = divergence.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)
     keep = (advantages.detach().reshape(-1, 1) >= 0) | (mean_divergence <= threshold)
     return keep.to(per_token_logps.dtype)
 
@@ -412,10 +411,23 @@ def log_importance_ratios(
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
     mask = completion_mask.bool()
-    log_ratio = torch.where(mask, per_token_logps - old_per_token_logps.detach(), torch.zeros_like(per_token_logps))
+    log_ratio = _masked_log_ratio(per_token_logps, old_per_token_logps.detach(), mask)
     if level == "token":
         return log_ratio
     return (log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).unsqueeze(-1)
+
+
+def _masked_log_ratio(logps: torch.Tensor, other_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``logps - other_logps`` per token, 0 where ``mask`` is False (the masked side may hold anything, even -inf)."""
+    difference = logps - other_logps
+    return torch.where(mask, difference, torch.zeros_like(difference))
+
+
+def _importance_ratios(
+    per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor, level: str
+) -> torch.Tensor:
+    """``p / p_old`` per token ``(B, T)`` or per sequence ``(B, 1)`` (:func:`log_importance_ratios`)."""
+    return torch.exp(log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, level))
 
 
 def vespo_weights(
@@ -474,8 +486,7 @@ def policy_gradient_token_losses(
         token_log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, "token")
         phi = vespo_weights(token_log_ratio, advantages, completion_mask, *vespo_parameters)
         return -phi * advantage * per_token_logps
-    log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
-    ratio = torch.exp(log_ratio)
+    ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
     if loss_type == "cispo":
         return -ratio.clamp(max=epsilon_high).detach() * advantage * per_token_logps
     if loss_type == "sapo":
@@ -589,8 +600,8 @@ def clip_fractions(
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     if loss_type not in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo"):
         return {}
-    log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
-    ratio = torch.exp(log_ratio.detach()).expand_as(per_token_logps)
+    ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
+    ratio = ratio.detach().expand_as(per_token_logps)
     advantage = advantages.detach().reshape(-1, 1)
     if loss_type == "cispo":
         return {"high": ((ratio > epsilon_high) & (advantage > 0)).float()}
@@ -633,7 +644,7 @@ def importance_sampling_weights(
     if mode not in IMPORTANCE_SAMPLING_MODES:
         raise ValueError(f"The importance-sampling mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}.")
     mask = completion_mask.bool()
-    log_ratio = torch.where(mask, trainer_logps.detach() - sampler_logps.detach(), torch.zeros_like(trainer_logps))
+    log_ratio = log_importance_ratios(trainer_logps.detach(), sampler_logps, completion_mask, "token")
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
     low = -math.inf if clip_min is None else math.log(clip_min) if clip_min > 0 else -math.inf

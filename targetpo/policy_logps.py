@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .modeling import completion_logps, forward_accepts_position_ids, liger_head_problem, supports_chunked_head
+from .modeling.loading import forward_accepts_position_ids
+from .modeling.logps import completion_logps, liger_head_problem, supports_chunked_head
 from .rollout.records import PROMPT_ALIGNED
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from .modeling import from_pretrained_or_explain, model_identifier
+from .modeling.loading import from_pretrained_or_explain, model_identifier, model_tokenizer
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 #: What every reward function is given besides the dataset's columns; a column may not take these names.
@@ -186,19 +186,15 @@ class RewardScorer:
 
     @staticmethod
     def _reward_tokenizer(model: PreTrainedModel, tokenizer: Any, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-        """The reward model's tokenizer, right-padded, with the pad id the classifier uses to find the last token."""
-        if tokenizer is None:
-            name = model_identifier(model)
-            if name is None:
-                raise ValueError(
-                    f"Reward model {type(model).__name__} was built from a config: pass its tokenizer in "
-                    "`reward_processing_classes`."
-                )
-            tokenizer = from_pretrained_or_explain(
-                AutoTokenizer, name, "reward model tokenizer", trust_remote_code=trust_remote_code
-            )
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        """The reward model's tokenizer, with the pad id the classifier uses to find the last token."""
+        tokenizer = model_tokenizer(
+            model,
+            tokenizer,
+            trust_remote_code,
+            "reward model tokenizer",
+            f"Reward model {type(model).__name__} was built from a config: pass its tokenizer in "
+            "`reward_processing_classes`.",
+        )
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         return tokenizer

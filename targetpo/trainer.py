@@ -28,9 +28,6 @@ import torch
 from accelerate.utils import gather_object, set_seed
 from torch import nn
 from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
@@ -75,22 +72,21 @@ from .generation import (
     unpadded_prompts,
 )
 from .metrics import MetricsRecorder, record_loss_metrics, record_targets
-from .modeling import (
+from .modeling.loading import (
     PromptLimit,
     apply_peft,
     cast_output_head_to_fp32,
     disable_dropout,
-    from_pretrained_or_explain,
     frozen_reference,
     is_peft_model,
-    is_vision_language,
+    load_policy,
     load_processing_class,
     load_tokenizer,
     max_positions,
     mix_weights_into,
     model_identifier,
-    require_liger,
 )
+from .modeling.logps import require_liger
 from .multi_turn import (
     EnvironmentPool,
     ToolLoop,
@@ -130,29 +126,6 @@ ROLLOUT_DIAGNOSTICS = {
     "reward_std": "reward_std",
     "informative_group_fraction": "tpo/informative_group_fraction",
 }
-
-
-def _load_policy(model: str | PreTrainedModel, args: TargetPOConfig) -> PreTrainedModel:
-    """The policy: loaded from an id or path with ``model_init_kwargs``, or the given model as it is."""
-    if isinstance(model, str):
-        kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
-        for key in ("dtype", "torch_dtype"):
-            if isinstance(kwargs.get(key), str) and kwargs[key] != "auto":
-                kwargs[key] = getattr(torch, kwargs[key])
-        config = from_pretrained_or_explain(
-            AutoConfig, model, "model", trust_remote_code=args.trust_remote_code, revision=kwargs.get("revision")
-        )
-        loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-        return from_pretrained_or_explain(loader, model, "model", **kwargs)
-    if args.model_init_kwargs:
-        raise ValueError(
-            "model_init_kwargs only applies when `model` is an id or path; the model passed is already built."
-        )
-    if not isinstance(model, (PreTrainedModel, nn.Module)) or not hasattr(model, "generate"):
-        raise TypeError(
-            f"`model` must be a model id, a path or a PreTrainedModel for causal LM, got {type(model).__name__}."
-        )
-    return model
 
 
 class TargetPOTrainer(Trainer):
@@ -247,7 +220,7 @@ class TargetPOTrainer(Trainer):
         self.reward_scorer = RewardScorer(
             reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
         )
-        policy = _load_policy(model, args)
+        policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
         processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
         tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
         # A vision-language model's processor encodes prompts with images and renders them with its chat template.

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from targetpo import functional as F
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
 from targetpo.distributed import all_gather_with_grad, fsdp2_shard_frozen, fsdp2_unsharded, groups_span_processes
-from targetpo.modeling import completion_logps
+from targetpo.modeling.logps import completion_logps
 
 NUM_GENERATIONS = 4
 #: (name, rows per process, length-normalise, with invalid members)

@@ -5,7 +5,7 @@ Shared by tests/test_modeling_and_generation.py and tests/scripts/liger_logps.py
 
 import torch
 
-from targetpo.modeling import completion_logps
+from targetpo.modeling.logps import completion_logps
 
 
 def padded_batch(generator):

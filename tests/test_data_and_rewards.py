@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import count_letters_reward
 from datasets import Dataset, IterableDataset
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForSequenceClassification
 
 from targetpo.data import RepeatSampler, is_conversational, render_prompts, validate_prompt_dataset
+from targetpo.demo import build_tiny_causal_lm
+from targetpo.modeling.loading import load_tokenizer
 from targetpo.rewards import RewardScorer, check_reward_output, unique_reward_names
 
 
@@ -279,6 +281,30 @@ def test_reward_model_built_from_config_needs_its_tokenizer(tokenizer):
                          num_attention_heads=2, num_key_value_heads=2, num_labels=1)
     with pytest.raises(ValueError, match="reward_processing_classes"):
         RewardScorer(Qwen2ForSequenceClassification(config))
+
+
+def test_policy_and_reward_model_load_their_tokenizers_from_their_directories_with_eos_as_pad(tmp_path, tokenizer):
+    # One loader serves both: no tokenizer passed, so each comes from its model's directory; saved without a pad token,
+    # it pads with EOS (the reward model's config takes that pad id to find each row's last token).
+    eos_id = tokenizer.eos_token_id
+    policy_dir, reward_dir = tmp_path / "policy", tmp_path / "reward"
+    policy = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128)
+    policy.save_pretrained(policy_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1)
+    Qwen2ForSequenceClassification(config).save_pretrained(reward_dir)
+    tokenizer.pad_token = None
+    tokenizer.padding_side = "right"
+    tokenizer.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(reward_dir)
+
+    policy_tokenizer = load_tokenizer(AutoModelForCausalLM.from_pretrained(policy_dir), None)
+    assert policy_tokenizer.pad_token_id == eos_id and policy_tokenizer.padding_side == "left"
+    assert policy_tokenizer.name_or_path == str(policy_dir)
+    scorer = RewardScorer(str(reward_dir))
+    assert scorer.tokenizers[0].pad_token_id == eos_id
+    assert scorer.funcs[0].config.pad_token_id == eos_id
+    assert scorer.tokenizers[0].name_or_path == str(reward_dir)
 
 
 def test_reward_model_id_that_cannot_be_reached():

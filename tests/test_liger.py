@@ -18,7 +18,7 @@ import torch
 from conftest import count_letters_reward, make_config
 
 from targetpo import TargetPOTrainer
-from targetpo.modeling import liger_head_problem
+from targetpo.modeling.logps import liger_head_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_liger = pytest.mark.skipif(

@@ -8,12 +8,12 @@ import torch
 from logps_cases import logps_entropies_and_gradients, padded_batch
 
 from targetpo.generation import SamplingSettings, TransformersBackend, completion_masks
-from targetpo.modeling import (
+from targetpo.modeling.loading import forward_accepts_position_ids
+from targetpo.modeling.logps import (
     _head_in_chunks,
     _is_plain_linear_head,
     completion_logps,
     entropy_from_logits,
-    forward_accepts_position_ids,
     supports_chunked_head,
 )
 

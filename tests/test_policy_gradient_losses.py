@@ -241,7 +241,7 @@ def test_bias_corrected_kl_weights_each_token_by_its_ratio():
 
 
 def test_differentiable_entropy_survives_suppressed_tokens():
-    from targetpo.modeling import token_entropy
+    from targetpo.modeling.logps import token_entropy
 
     logits = t([[0.5, -1.0, float("-inf"), 2.0]]).requires_grad_(True)
     entropy = token_entropy(logits)

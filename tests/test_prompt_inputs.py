@@ -10,7 +10,7 @@ from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGener
 
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm, exact_reversal_reward, reverse_task_dataset, reverse_task_tokenizer
-from targetpo.modeling import max_positions
+from targetpo.modeling.loading import max_positions
 
 PROMPTS = ["Please say the word cat:", "Hi:", "Now write one more word, dog:", "Say sun:"]
 

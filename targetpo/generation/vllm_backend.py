@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..distributed import failures_reach_every_process
-from ..modeling import is_peft_model
+from ..modeling.loading import is_peft_model
 from .base import (
     Completions,
     PromptImages,

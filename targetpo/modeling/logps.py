@@ -1,259 +1,43 @@
-"""Models and tokenizers: loading, PEFT wrapping, the frozen reference, and token log-probs from a forward pass."""
+"""Token log-probs and entropies of completions from one forward pass, and the output head's kernels.
+
+The log-probs are those of the distribution generation sampled from (:func:`_sampled_logits`). The head's logits
+come whole from the model, or a chunk of positions at a time from its final hidden states (a plain linear head with a
+hand-written backward pass, any other head under activation checkpointing), or from Liger's fused kernel.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.metadata
-import inspect
 import os
-import warnings
 from typing import Any
 
 import torch
 from packaging.version import Version
 from torch import nn
-from transformers import AutoProcessor, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .loading import Float32OutputHead, is_peft_model
 
 
-def from_pretrained_or_explain(loader: Any, name_or_path: str, what: str, **kwargs: Any) -> Any:
-    """``loader.from_pretrained`` with an error that says what to do when the files cannot be found or fetched."""
-    try:
-        return loader.from_pretrained(name_or_path, **kwargs)
-    except OSError as error:
-        raise OSError(
-            f"Could not load the {what} {name_or_path!r}: it is not a local directory and could not be fetched from the "
-            "Hugging Face Hub (no network, a wrong name, or a gated repository). Pass a local path, or set HF_HUB_OFFLINE=1 "
-            f"with the files already in the cache. Cause: {error}"
-        ) from error
+def _nonempty(token_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``token_ids``, or None when there are none."""
+    return token_ids if token_ids is not None and token_ids.numel() > 0 else None
 
 
-def model_identifier(model: PreTrainedModel) -> str | None:
-    """The id or path a model was loaded from, or None for a model built from a config."""
-    name = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
-    return name or None
+def _sampled_logits(
+    logits: torch.Tensor, temperature: float, suppressed_token_ids: torch.Tensor | None, in_place: bool = False
+) -> torch.Tensor:
+    """The logits of the distribution generation samples from: divided by ``temperature``, suppressed tokens at -inf.
 
-
-def is_vision_language(config: Any) -> bool:
-    """Whether a model config describes a vision-language model (it has a vision tower's config)."""
-    return getattr(config, "vision_config", None) is not None
-
-
-def load_processing_class(model: PreTrainedModel, processing_class: Any, trust_remote_code: bool = False) -> Any:
-    """``processing_class`` as given; for a vision-language model given without one, its processor (which encodes
-    images as well as text). Other models' tokenizers are loaded by :func:`load_tokenizer`."""
-    if processing_class is not None or not is_vision_language(getattr(model, "config", None)):
-        return processing_class
-    name = model_identifier(model)
-    if name is None:
-        raise ValueError(
-            "The vision-language model was built from a config and has no processor to load: pass `processing_class=` "
-            "its processor (e.g. `AutoProcessor.from_pretrained(...)`)."
-        )
-    return from_pretrained_or_explain(AutoProcessor, name, "processor", trust_remote_code=trust_remote_code)
-
-
-def load_tokenizer(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
-    """The policy's tokenizer, set up for generation: left padding and a pad token (EOS when it has none)."""
-    if tokenizer is None:
-        name = model_identifier(model)
-        if name is None:
-            raise ValueError(
-                "The model was built from a config and has no tokenizer to load: pass `processing_class=` a tokenizer."
-            )
-        tokenizer = from_pretrained_or_explain(AutoTokenizer, name, "tokenizer", trust_remote_code=trust_remote_code)
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        # A multimodal processor wraps its tokenizer; rollouts only need the tokenizer.
-        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    if tokenizer.eos_token_id is None:
-        raise ValueError("The tokenizer has no EOS token: set `tokenizer.eos_token` so completions can end.")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0: rollout and training log-probs then come from the same function."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # attention modules read it per call
-            module.attention_dropout = 0.0
-    config = getattr(model, "config", None)
-    if isinstance(getattr(config, "attention_dropout", None), float):
-        config.attention_dropout = 0.0
-
-
-def apply_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:
-    """Wrap the model with trainable adapters; only the adapter weights will train."""
-    try:
-        from peft import PeftConfig, get_peft_model
-    except ImportError as error:
-        raise ImportError("`peft_config` needs the peft package: pip install 'targetpo[peft]'.") from error
-    if not isinstance(peft_config, PeftConfig):
-        raise TypeError(f"`peft_config` must be a peft.PeftConfig, got {type(peft_config).__name__}.")
-    if gradient_checkpointing:
-        # Frozen embeddings give activations without grad; checkpointed adapters then receive no gradient.
-        model.enable_input_require_grads()
-    return get_peft_model(model, peft_config)
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
-    """A frozen copy of the policy, in eval mode, for the KL penalty."""
-    reference = copy.deepcopy(model)
-    reference.requires_grad_(False)
-    return reference.eval()
-
-
-class Float32OutputHead(nn.Linear):
-    """A linear output head that computes in float32 from weights kept in their own dtype.
-
-    ``cast_lm_head_to_fp32`` gives a head tied to the input embeddings this class: casting the shared weight would
-    cast the embeddings too, so the cast happens inside each forward pass, and the gradient reaches the shared weight
-    in its own dtype.
+    ``in_place`` overwrites ``logits``: only where no gradient flows through them.
     """
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return nn.functional.linear(hidden.float(), self.weight.float(), bias)
-
-
-def cast_output_head_to_fp32(model: nn.Module) -> None:
-    """Compute the output head in float32, feeding it float32 hidden states; the rest keeps its precision.
-
-    Its logits, and so the token log-probs, are then computed in float32 even when the model runs in bf16. An untied
-    head keeps float32 weights; a head tied to the input embeddings keeps sharing them in their dtype and becomes a
-    :class:`Float32OutputHead`.
-    """
-    base = model.get_base_model() if is_peft_model(model) else model
-    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
-    if head is None or not hasattr(head, "weight"):
-        raise ValueError("cast_lm_head_to_fp32=True needs a model with an output head (`get_output_embeddings()`).")
-    if embeddings is not None and head.weight is embeddings.weight:
-        if type(head) is not nn.Linear:
-            raise ValueError(
-                f"cast_lm_head_to_fp32=True with an output head tied to the input embeddings needs a plain "
-                f"torch.nn.Linear head, got {type(head).__name__}. Set cast_lm_head_to_fp32=False."
-            )
-        head.__class__ = Float32OutputHead  # a class, not a patched forward, so copies (the reference) keep it
-        return
-    head.float()
-    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
-
-
-@torch.no_grad()
-def mix_weights_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
-    """``target <- alpha * source + (1 - alpha) * target``, parameter by parameter (matched by name)."""
-    source_parameters = dict(source.named_parameters())
-    for name, parameter in target.named_parameters():
-        parameter.lerp_(source_parameters[name].detach().to(parameter.dtype), alpha)
-
-
-def forward_accepts_position_ids(model: nn.Module) -> bool:
-    """Whether the (unwrapped) model's forward takes ``position_ids``; PEFT wrappers are looked through."""
-    if is_peft_model(model):
-        model = model.get_base_model()
-    forward = getattr(model, "forward", None)
-    try:
-        return "position_ids" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def max_positions(model: nn.Module) -> int | None:
-    """The model's context length (``max_position_embeddings``), from a composite model's text config if it has one;
-    None when the config does not say. A PEFT model hands on its base model's config."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for each in (text_config, config):
-        positions = getattr(each, "max_position_embeddings", None)
-        if isinstance(positions, int) and positions > 0:
-            return positions
-    return None
-
-
-def prompt_token_limit(
-    max_prompt_length: int | None, max_completion_length: int, positions: int | None, warn_if_lowered: bool = True
-) -> int | None:
-    """The most prompt tokens a rollout keeps: ``max_prompt_length``, lowered so prompt and completion fit the model.
-
-    Refuses a ``max_completion_length`` that leaves no room for a prompt; warns when a ``max_prompt_length`` the user
-    set (``warn_if_lowered``) is lowered. None (no limit) takes the room without a word: prompts cut to it are
-    reported when they are cut (:class:`PromptLimit`).
-    """
-    if positions is None:
-        return max_prompt_length
-    if max_completion_length >= positions:
-        raise ValueError(
-            f"max_completion_length={max_completion_length} leaves no room for a prompt: the model has {positions} "
-            f"positions (max_position_embeddings) for prompt and completion together. Set max_completion_length "
-            f"below {positions}, leaving room for the prompts."
-        )
-    room = positions - max_completion_length
-    if max_prompt_length is not None and max_prompt_length <= room:
-        return max_prompt_length
-    if max_prompt_length is not None and warn_if_lowered:
-        warnings.warn(
-            f"max_prompt_length={max_prompt_length} and max_completion_length={max_completion_length} exceed the "
-            f"model's {positions} positions, so prompts longer than {room} tokens keep their last {room}. Set "
-            f"max_prompt_length to at most {room}, or lower max_completion_length.",
-            stacklevel=3,
-        )
-    return room
-
-
-class PromptLimit:
-    """The most prompt tokens a rollout keeps (``tokens``; None: no limit), and a warning the first time prompts are
-    cut to it.
-
-    ``max_prompt_length`` is lowered so prompt and completion fit the model's ``positions``; only a value the user set
-    (not ``prompt_length_is_default``) is warned about at once, since the default binds nothing until a prompt is cut.
-    """
-
-    def __init__(
-        self,
-        max_prompt_length: int | None,
-        max_completion_length: int,
-        positions: int | None,
-        prompt_length_is_default: bool = False,
-    ):
-        self.tokens = prompt_token_limit(
-            max_prompt_length, max_completion_length, positions, warn_if_lowered=not prompt_length_is_default
-        )
-        if self.tokens == max_prompt_length:
-            self._why = f"max_prompt_length={max_prompt_length}"
-        else:
-            self._why = (
-                f"the model's {positions} positions less max_completion_length={max_completion_length}; "
-                f"max_prompt_length={max_prompt_length}"
-            )
-        self._reported = False
-
-    def report_cut(self, num_cut: int, num_prompts: int) -> None:
-        """Warn, the first time any are, that ``num_cut`` of a rollout's ``num_prompts`` distinct prompts were cut."""
-        if num_cut == 0 or self._reported:
-            return
-        self._reported = True
-        warnings.warn(
-            f"{num_cut} of the {num_prompts} prompts of a rollout are longer than {self.tokens} tokens ({self._why}) "
-            f"and keep only their last {self.tokens}. Drop or shorten such prompts (e.g. `dataset.filter(...)` on "
-            "their token count), or make room: raise max_prompt_length or lower max_completion_length within the "
-            "model's positions. Later cuts are not reported.",
-            stacklevel=3,
-        )
+    if temperature != 1.0:
+        logits = logits.div_(temperature) if in_place else logits / temperature
+    suppressed_token_ids = _nonempty(suppressed_token_ids)
+    if suppressed_token_ids is not None:
+        fill = logits.index_fill_ if in_place else logits.index_fill
+        logits = fill(-1, suppressed_token_ids, float("-inf"))
+    return logits
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
@@ -285,10 +69,10 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4, differentiabl
         return torch.cat([token_entropy(rows) for rows in logits.split(chunk_rows)])
 
 
-#: Config attributes that change logits after the output head; models with them take the full-logits path.
 #: Output-head dtypes whose hidden states take the head's dtype (mixed precision returns them in float32); others
 #: (quantised or float8 heads) compute in their own way from what they are given.
 HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Config attributes that change logits after the output head; models with them take the full-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
@@ -357,11 +141,7 @@ def _head_logps_and_entropy(
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropies of a chunk of positions: ``(N, H)`` hidden states -> two ``(N,)``."""
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
-        logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
+    logits = _sampled_logits(head(hidden).float(), temperature, suppressed_token_ids)
     logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     if not with_entropy:
         return logps, torch.zeros_like(logps)
@@ -381,8 +161,10 @@ def _is_plain_linear_head(head: nn.Module) -> bool:
     hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks)
     module = nn.modules.module
     global_hooks = (
-        module._global_forward_hooks, module._global_forward_pre_hooks,
-        module._global_backward_hooks, module._global_backward_pre_hooks,
+        module._global_forward_hooks,
+        module._global_forward_pre_hooks,
+        module._global_backward_hooks,
+        module._global_backward_pre_hooks,
     )
     return (
         type(head) is nn.Linear
@@ -456,15 +238,11 @@ class _LinearHeadLogps(torch.autograd.Function):
 
 
 def _linear_head_logits(hidden, weight, bias, temperature, suppressed) -> torch.Tensor:
-    """The float32 logits of a linear head in its own dtype (as in backward, where no autocast applies), divided by
-    the temperature, suppressed tokens at -inf."""
+    """The float32 :func:`_sampled_logits` of a linear head computed in its own dtype (as in backward, where no
+    autocast applies)."""
     with torch.autocast(hidden.device.type, enabled=False):
         logits = nn.functional.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits.div_(temperature)
-    if suppressed is not None:
-        logits.index_fill_(-1, suppressed, float("-inf"))
-    return logits
+    return _sampled_logits(logits, temperature, suppressed, in_place=True)  # a fresh tensor, outside autograd
 
 
 def _liger_head_logps(head: nn.Module, hidden_rows: torch.Tensor, token_rows: torch.Tensor, temperature: float):
@@ -503,8 +281,7 @@ def _head_in_chunks(
         hidden_rows.requires_grad or (isinstance(weight, torch.Tensor) and weight.requires_grad)
     )
     fused = training and _is_plain_linear_head(head) and weight.device == hidden_rows.device
-    if suppressed_token_ids is not None and suppressed_token_ids.numel() == 0:
-        suppressed_token_ids = None
+    suppressed_token_ids = _nonempty(suppressed_token_ids)
     for start in range(0, hidden_rows.size(0), chunk_size):
         part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
         if fused:
@@ -553,7 +330,7 @@ def _chunked_head_logps(
     the log-probs come from Liger's fused kernel instead (no suppressed tokens), and the entropies, a metric, from
     chunks computed without gradient.
     """
-    if liger and suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
+    if liger and _nonempty(suppressed_token_ids) is not None:
         raise ValueError("Liger's fused kernel cannot leave suppressed tokens out of the softmax; use liger=False.")
     hidden_rows, token_rows = hidden[mask], token_ids[mask]
     weight = getattr(head, "weight", None)
@@ -614,63 +391,104 @@ def completion_logps(
     values, image grids, ...) and per-token inputs aligned with ``prompt_ids`` (``prompt_aligned``: token type ids),
     which read 0 over the completion.
     """
-    completion_length = completion_ids.size(1)
-    first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
-    used_completion = completion_attention_mask.any(dim=0)
-    last_completion_column = int(used_completion.nonzero().max()) + 1 if used_completion.any() else 1
-    input_ids = torch.cat([prompt_ids[:, first_prompt_column:], completion_ids[:, :last_completion_column]], dim=1)
-    attention_mask = torch.cat(
-        [prompt_mask[:, first_prompt_column:], completion_attention_mask[:, :last_completion_column]], dim=1
-    ).long()
-
-    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, **(image_inputs or {})}
-    for key, value in (prompt_aligned or {}).items():
-        completion_part = value.new_zeros(value.size(0), last_completion_column)
-        inputs[key] = torch.cat([value[:, first_prompt_column:], completion_part], dim=1)
-    if use_position_ids:
-        inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    inputs, kept_columns = _trimmed_inputs(
+        prompt_ids, prompt_mask, completion_ids, completion_attention_mask, image_inputs, prompt_aligned
+    )
+    if use_position_ids:  # counting only attended tokens, exactly as generate numbered them
+        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     if router_aux_loss:
         inputs["output_router_logits"] = True
-    kept_ids = completion_ids[:, :last_completion_column]
-    if suppressed_token_ids is not None:
-        suppressed_token_ids = suppressed_token_ids.to(input_ids.device)
-
-    if chunk_size is not None:
-        # Through the (possibly wrapped) model, so distributed wrappers see the forward pass; it computes one
-        # position's logits, and the head then runs chunk by chunk on the final hidden states.
-        outputs = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
-        aux_loss = getattr(outputs, "aux_loss", None)
-        hidden = outputs.hidden_states[-1][:, -(last_completion_column + 1) : -1]
-        kept_mask = completion_attention_mask[:, :last_completion_column].bool()
-        logps, entropies = _chunked_head_logps(
-            _output_head(model),
-            hidden,
-            kept_ids,
-            kept_mask,
-            temperature,
-            suppressed_token_ids,
-            chunk_size,
-            with_entropy,
-            liger=liger,
-            entropy_grad=entropy_grad,
+    kept_ids = completion_ids[:, :kept_columns]
+    suppressed = None if suppressed_token_ids is None else _nonempty(suppressed_token_ids.to(kept_ids.device))
+    if chunk_size is None:
+        logps, entropies, aux_loss = _logps_from_logits(
+            model, inputs, kept_ids, temperature, suppressed, with_entropy, entropy_grad
         )
-        entropies = entropies if with_entropy else None
     else:
-        # Logits for the positions that predict completion tokens only: the prompt's logits are never needed.
-        outputs = model(**inputs, logits_to_keep=last_completion_column + 1, use_cache=False)
-        aux_loss = getattr(outputs, "aux_loss", None)
-        logits = outputs.logits[:, :-1]
-        if temperature != 1.0:
-            logits = logits / temperature
-        if suppressed_token_ids is not None and suppressed_token_ids.numel() > 0:
-            logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
-        logps = selective_log_softmax(logits, kept_ids)
-        entropies = entropy_from_logits(logits, differentiable=entropy_grad) if with_entropy else None
+        kept_mask = completion_attention_mask[:, :kept_columns].bool()
+        logps, entropies, aux_loss = _logps_from_hidden_states(
+            model, inputs, kept_ids, kept_mask, temperature, suppressed, chunk_size, with_entropy, liger, entropy_grad
+        )
     # Put back the cut right-hand columns (they are masked everywhere) so shapes match the completion tensors.
-    pad = completion_length - last_completion_column
+    pad = completion_ids.size(1) - kept_columns
     if pad > 0:
         logps = nn.functional.pad(logps, (0, pad))
         entropies = nn.functional.pad(entropies, (0, pad)) if entropies is not None else None
     if router_aux_loss:
         return logps, entropies, aux_loss
     return logps, entropies
+
+
+def _trimmed_inputs(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_attention_mask: torch.Tensor,
+    image_inputs: dict[str, torch.Tensor] | None,
+    prompt_aligned: dict[str, torch.Tensor] | None,
+) -> tuple[dict[str, Any], int]:
+    """The model's inputs for prompt + completion without the columns no row uses (the prompts' left padding, the
+    completions' right padding), and how many completion columns they keep (at least 1)."""
+    first_prompt_column = int(prompt_mask.any(dim=0).float().argmax()) if prompt_mask.any() else prompt_mask.size(1)
+    used_completion = completion_attention_mask.any(dim=0)
+    kept_columns = int(used_completion.nonzero().max()) + 1 if used_completion.any() else 1
+    input_ids = torch.cat([prompt_ids[:, first_prompt_column:], completion_ids[:, :kept_columns]], dim=1)
+    attention_mask = torch.cat(
+        [prompt_mask[:, first_prompt_column:], completion_attention_mask[:, :kept_columns]], dim=1
+    ).long()
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, **(image_inputs or {})}
+    for key, value in (prompt_aligned or {}).items():
+        completion_part = value.new_zeros(value.size(0), kept_columns)
+        inputs[key] = torch.cat([value[:, first_prompt_column:], completion_part], dim=1)
+    return inputs, kept_columns
+
+
+def _logps_from_logits(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    completion_ids: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs, entropies (or None) and router loss (or None), the model computing the completion's logits whole."""
+    # Logits for the positions that predict completion tokens only: the prompt's logits are never needed.
+    outputs = model(**inputs, logits_to_keep=completion_ids.size(1) + 1, use_cache=False)
+    logits = _sampled_logits(outputs.logits[:, :-1], temperature, suppressed_token_ids)
+    logps = selective_log_softmax(logits, completion_ids)
+    entropies = entropy_from_logits(logits, differentiable=entropy_grad) if with_entropy else None
+    return logps, entropies, getattr(outputs, "aux_loss", None)
+
+
+def _logps_from_hidden_states(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+    chunk_size: int,
+    with_entropy: bool,
+    liger: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs, entropies (or None) and router loss (or None), the output head running on ``chunk_size`` of the
+    final hidden states' completion positions at a time (:func:`_chunked_head_logps`)."""
+    # Through the (possibly wrapped) model, so distributed wrappers see the forward pass; it computes one position's
+    # logits, and the head then runs chunk by chunk on the final hidden states.
+    outputs = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    hidden = outputs.hidden_states[-1][:, -(completion_ids.size(1) + 1) : -1]
+    logps, entropies = _chunked_head_logps(
+        _output_head(model),
+        hidden,
+        completion_ids,
+        completion_mask,
+        temperature,
+        suppressed_token_ids,
+        chunk_size,
+        with_entropy,
+        liger=liger,
+        entropy_grad=entropy_grad,
+    )
+    return logps, entropies if with_entropy else None, getattr(outputs, "aux_loss", None)
