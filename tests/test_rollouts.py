@@ -13,6 +13,7 @@ from conftest import count_letters_reward, make_config
 from datasets import Dataset
 
 from targetpo import TargetPOTrainer
+from targetpo import trainer as trainer_module
 from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
 from targetpo.generation import (
     Completions,
@@ -87,6 +88,64 @@ def test_async_rollout_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="vllm_weight_transfer_backend"):
         make_config(tmp_path, vllm_weight_transfer_backend="tcp")
     make_config(tmp_path, use_vllm=True, async_rollouts=True, steps_per_generation=4, gradient_accumulation_steps=2)
+
+
+class EchoingStarts(RolloutBackend):
+    """Completes each prompt with its own last three tokens and EOS, at once; counts the rollouts it started and those
+    the trainer cancelled. Stands in for the vLLM server that async_rollouts generates on: what is checked is the
+    trainer's use of the rollouts started ahead, not the engine (test_vllm.py runs a real server)."""
+
+    def __init__(self, eos_token_id, pad_token_id):
+        self.eos_token_id, self.pad_token_id, self.started, self.cancelled = eos_token_id, pad_token_id, 0, 0
+
+    def start(self, prompt_ids, prompt_mask, max_new_tokens=None, images=None):
+        self.started += 1
+        echoes = [row[-3:].tolist() + [self.eos_token_id] for row in prompt_ids]
+        completions = pad_completions(echoes, [[] for _ in echoes], self.pad_token_id, [self.eos_token_id])
+        completions.sampler_logps = None  # no engine log-probs: no importance weights
+        backend = self
+
+        class Pending(PendingCompletions):
+            def cancel(self):
+                backend.cancelled += 1
+
+        return Pending(completions)
+
+    def close(self):
+        pass
+
+
+def test_a_rollout_generated_ahead_for_other_prompts_is_cancelled_and_generated_again(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch
+):
+    """async_rollouts guesses the next rollout's prompts; a guess that misses (e.g. after a resume) must not be
+    trained on: every trained completion is its own prompt's. The sampler is made to guess wrong on purpose."""
+    ordered = RepeatSampler.__iter__
+
+    def guessing_wrong(self):
+        for index, use, upcoming in ordered(self):
+            yield index, use, upcoming if upcoming < 0 else (upcoming + 1) % self.num_prompts
+
+    monkeypatch.setattr(RepeatSampler, "__iter__", guessing_wrong)
+    trained = []
+    original_loss = TargetPOTrainer.compute_loss
+
+    def recording_loss(self, model, inputs, *args, **kwargs):
+        trained.append((inputs["prompt_ids"].clone(), inputs["completion_ids"].clone()))
+        return original_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    backend = EchoingStarts(tokenizer.eos_token_id, tokenizer.pad_token_id)
+    monkeypatch.setattr(trainer_module, "build_rollout_backend", lambda *args, **kwargs: backend)  # not a server
+    args = make_config(tmp_path, use_vllm=True, vllm_mode="server", async_rollouts=True, max_steps=3)
+    trainer = TargetPOTrainer(tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset,
+                              processing_class=tokenizer)
+    trainer.train()
+    assert len(trained) == 3
+    for prompt_ids, completion_ids in trained:
+        assert torch.equal(completion_ids[:, :3], prompt_ids[:, -3:])
+    assert backend.cancelled >= 2  # the look-aheads of rollouts 2 and 3 missed
+    assert backend.started == 3 + backend.cancelled  # each miss was generated again
 
 
 def test_the_serve_command_is_vllms_own_with_the_transfer_engine_and_sampled_log_probs():

@@ -643,3 +643,50 @@ def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer, sett
     outside = (raw[on] > 1.5) | (raw[on] < (0.5 if sequence else 0.0))
     assert 0 < outside.sum() < on.sum()
     assert metrics["vllm/importance_weight_capped_fraction"] == [pytest.approx(outside.float().mean().item())]
+
+
+def test_importance_weights_come_from_the_rollouts_policy_in_every_epoch(tmp_path, tokenizer):
+    """With num_iterations=2 the second epoch over a step batch, after the weights moved, still weights each token's
+    gradient by ``min(p_old / p_sampler, cap)``, p_old the rollout's policy (the one q is built from), not the moved
+    one; the weights are computed once per step batch, so their metrics are recorded once."""
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), num_iterations=2,
+                       vllm_importance_sampling_cap=1.5, skip_zero_gradient_completions=False)
+    trainer = TargetPOTrainer(
+        model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
+    )
+    trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_attention_mask"])
+    mask = batch["completion_mask"].float()
+    valid = mask.any(dim=1)
+    with torch.no_grad():
+        rollout_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
+    offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
+    batch["sampler_per_token_logps"] = (rollout_logps + offsets) * mask
+    weights = torch.exp(-offsets).clamp(max=1.5)
+    u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
+        [ids[: int(n)] for ids, n in zip(batch["completion_ids"], batch["completion_attention_mask"].sum(1))],
+        skip_special_tokens=True,
+    )), valid, 4)
+    q = ref.targets(ref.sequence_logps(rollout_logps, mask, True), u, valid, 4, 1.0)
+    for epoch in range(2):
+        model.zero_grad()
+        trainer.compute_loss(model, batch).backward()
+        got = {name: param.grad.clone() for name, param in model.named_parameters()}
+        hand = copy.deepcopy(model)
+        hand.zero_grad()
+        logps, _ = ref.token_logps(hand, *inputs, 1.0, suppressed_ids(args))
+        weighted = logps.detach() + weights * (logps - logps.detach())
+        ref.tpo_loss(ref.sequence_logps(weighted, mask, True), q, valid, 4).backward()
+        assert any(grad.abs().max() > 1e-4 for grad in got.values())
+        for name, param in hand.named_parameters():
+            torch.testing.assert_close(got[name], param.grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        if epoch == 0:  # an SGD step between the epochs; the policy's token log-probs move measurably
+            with torch.no_grad():
+                for param in model.parameters():
+                    param -= 2.0 * param.grad
+                moved, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
+            assert ((moved - rollout_logps).abs() * mask).max() > 0.05
+    assert trainer._metrics["train"]["vllm/importance_weight_mean"].count == 1
