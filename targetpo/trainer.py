@@ -15,17 +15,13 @@ One training micro-step reads as:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import math
-import time
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from torch import nn
 from transformers import (
     PreTrainedModel,
@@ -49,27 +45,18 @@ from .data import (
     identity_collator,
     is_stream,
     lookahead_use,
-    message_text,
-    render_prompts,
     stream_loader_settings,
     validate_prompt_dataset,
 )
 from .distributed import (
     check_engine_supported,
     failures_reach_every_process,
-    full_model_for_generation,
     prepare_frozen_model,
     shards_parameters,
 )
 from .generation import (
-    Completions,
-    PendingCompletions,
-    PromptImages,
     RolloutBackend,
     SamplingSettings,
-    build_rollout_backend,
-    close_at_exit,
-    unpadded_prompts,
 )
 from .metrics import MetricsRecorder, record_loss_metrics, record_targets
 from .modeling.loading import (
@@ -91,9 +78,6 @@ from .multi_turn import (
     EnvironmentPool,
     ToolLoop,
     check_multi_turn_arguments,
-    conversation_text,
-    custom_rollout_completions,
-    left_pad,
     with_environment_reward,
 )
 from .objectives import TrainingLoss, build_objective, warn_if_grpo_config_trains_another_loss
@@ -105,27 +89,17 @@ from .reporting import (
     print_completions_table,
     push_completions_table,
 )
-from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardLogs, RewardScorer
+from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardScorer
+from .rollout.prompts import PromptEncoder
 from .rollout.records import RolloutBatch
+from .rollout.scheduler import RolloutScheduler
+from .rollout.scoring import RolloutScorer
+from .rollout.sources import rollout_source
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
 from .vision import (
     IMAGE_COLUMNS,
-    EncodedPrompts,
-    encode_prompts_with_images,
-    image_column,
     is_processor,
-    prompt_images,
-    row_images,
-    with_image_objects,
-    with_image_parts,
 )
-
-#: The rollout's score statistics (``F.rollout_diagnostics``) and the names they are logged under.
-ROLLOUT_DIAGNOSTICS = {
-    "reward": "reward",
-    "reward_std": "reward_std",
-    "informative_group_fraction": "tpo/informative_group_fraction",
-}
 
 
 class TargetPOTrainer(Trainer):
@@ -335,9 +309,19 @@ class TargetPOTrainer(Trainer):
             )
         # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
         self._sharded = shards_parameters(self.accelerator)
-        self._rollout_backend: RolloutBackend | None = None  # the one rollouts use
-        self._built_rollout_backend: RolloutBackend | None = None  # the one this trainer built, and closes
-        self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
+        self._prompt_encoder = PromptEncoder(
+            tokenizer,
+            self._processor,
+            self._tool_schemas,
+            args.chat_template_kwargs,
+            self._prompt_limit,
+            self.sampling.pad_token_id,
+            self.accelerator.device,
+            self._failures_reach_every_process,
+            images_allowed=self._images_need is None,
+        )
+        self._scheduler = RolloutScheduler(self, self._async_runner)
+        self._rollout_source = rollout_source(self)  # text or images, tools or environments, or rollout_func
         self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
         self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
         # The loss: the objective loss_type names, and the regularisers the run switches on. Mixture-of-experts models:
@@ -372,7 +356,6 @@ class TargetPOTrainer(Trainer):
                 "are trained on as if the current policy had written them.",
                 stacklevel=2,
             )
-        self._weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
         self._logps = PolicyLogps.for_model(
             self.model,
             self.accelerator.unwrap_model(self.model),
@@ -395,16 +378,24 @@ class TargetPOTrainer(Trainer):
             else None
         )
         self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
-        self._upcoming: _UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
         if args.async_rollouts:
-            self.add_callback(OnOptimizerStep(self._push_weights_while_generating))
-        self._buffer: list[RolloutBatch] | None = None
+            self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
         self._rollout_count = 0
         # Each metric's values since the last log, as a running mean (bounded when nothing logs).
         self._metrics = MetricsRecorder(self.accelerator)
         self._completion_table: RolloutTable | None = None
         self._pushed_rollout: int | None = None  # the last rollout pushed to log_completions_hub_repo
-        self._warned_unscored = False
+        self._rollout_scorer = RolloutScorer(
+            self.reward_scorer,
+            tokenizer,
+            self.accelerator,
+            args,
+            self._metrics,
+            self._failures_reach_every_process,
+            self._async_runner.run,
+            self._sharded,
+            self._prompt_encoder.render,
+        )
         # Each process samples its own completions (a group split over processes must not repeat itself), and the
         # same seed still reproduces the same run.
         set_seed(args.seed, device_specific=True)
@@ -413,34 +404,14 @@ class TargetPOTrainer(Trainer):
     def rollout_backend(self) -> RolloutBackend:
         """How rollouts are generated (``generation/``): built once, on first use, and kept for every later
         ``train()`` and ``evaluate()``; :meth:`close` releases it (so does the interpreter's exit)."""
-        if self._rollout_backend is None:
-            max_model_len = None
-            if self._max_prompt_tokens is not None:
-                # Room for the longest prompt and completion, within what the model's positions allow.
-                max_model_len = self._max_prompt_tokens + self.args.max_completion_length
-            self._rollout_backend = self._built_rollout_backend = build_rollout_backend(
-                self.args,
-                self.accelerator,
-                self.accelerator.unwrap_model(self.model),
-                self.sampling,
-                _weak_method(self._generation_model),  # the backend, closed when the trainer goes, must not keep it
-                self._sharded,
-                max_model_len,
-                self._processor or self._tokenizer,
-            )
-            # The finalizer holds the backend, not the trainer: it runs at `close()`, when the trainer is collected,
-            # or at the interpreter's exit, whichever comes first.
-            self._backend_closer = weakref.finalize(self, close_at_exit, self._built_rollout_backend)
-            self._weights_version = None
-        return self._rollout_backend
+        return self._scheduler.backend
 
     @rollout_backend.setter
     def rollout_backend(self, backend: RolloutBackend) -> None:
         """Generate with another backend (a :class:`~targetpo.generation.RolloutBackend`); its owner closes it.
 
         The backend the trainer built stays open, so the new one may wrap it; :meth:`close` closes it."""
-        self._rollout_backend = backend
-        self._weights_version = None
+        self._scheduler.use_backend(backend)
 
     # ------------------------------------------------------------------------------------------------ data
     def _check_reward_arguments(self, split: str, columns: set[str], remove_unused_columns: bool) -> None:
@@ -538,25 +509,18 @@ class TargetPOTrainer(Trainer):
             self._signature_columns = ["prompt", *IMAGE_COLUMNS, ROLLOUT_USE, UPCOMING_ROW]
 
     def train(self, *args: Any, **kwargs: Any):
-        self._buffer = None  # a (resumed) run starts with a fresh rollout
-        self._weights_version = None  # and gives the rollout backend its weights before it
+        self._scheduler.buffer = None  # a (resumed) run starts with a fresh rollout
+        self._scheduler.forget_weights()  # and gives the rollout backend its weights before it
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._stop_generating()  # the backend stays up: `evaluate()` and another `train()` use it
+            self._scheduler.stop_generating()  # the backend stays up: `evaluate()` and another `train()` use it
 
     def close(self) -> None:
         """Release the rollout backend this trainer built (a vLLM engine and its memory, a server connection and its
         weight-transfer group, helper threads). Safe to call again; generating afterwards builds a new backend.
         Called at the interpreter's exit too; ``with TargetPOTrainer(...) as trainer:`` calls it at the block's end."""
-        self._stop_generating()
-        built, self._built_rollout_backend = self._built_rollout_backend, None
-        closer, self._backend_closer = self._backend_closer, None
-        if closer is not None and closer.detach() is not None:  # never closed again at exit
-            built.close()
-            self._weights_version = None  # a backend that wrapped it holds no weights now either
-            if self._rollout_backend is built:
-                self._rollout_backend = None
+        self._scheduler.close()
 
     def __enter__(self) -> TargetPOTrainer:
         return self
@@ -564,133 +528,29 @@ class TargetPOTrainer(Trainer):
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _stop_generating(self) -> None:
-        """Cancel a rollout generated ahead that nothing will use, and stop the tools' event loop."""
-        if self._upcoming is not None:
-            self._upcoming.pending.cancel()
-            self._upcoming = None
-        self._async_runner.close()
-
     # ------------------------------------------------------------------------------------------------ rollout
     def _prepare_inputs(self, rows: list[dict[str, Any]]) -> RolloutBatch:
         if not self.model.training:
             return self._rollout(rows, mode="eval")
-        # The sampler tagged which use of its rollout this batch is: use 0 starts a new rollout (and so does a resumed
-        # run, which may begin mid-rollout). Uses cycle through the step batches, num_iterations times.
-        use = rows[0][ROLLOUT_USE]
-        upcoming = [row.get(UPCOMING_ROW) for row in rows]
-        rows = [{key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW)} for row in rows]
-        if self._buffer is None or use == 0:
-            rollout = self._rollout(rows, mode="train")
-            self._buffer = rollout.step_batches(self.args.per_device_train_batch_size)
-        if use == self._lookahead_use and upcoming[0] is not None:
-            self._start_upcoming_rollout(upcoming)
-        return self._buffer[use % self.args.steps_per_generation]
+        return self._scheduler.step_batch(rows)  # the step batch of the current rollout, made at its first use
 
     @torch.no_grad()
     def _rollout(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
         """Generate, score and whiten one rollout; record old/reference log-probs and q where they are needed."""
-        device = self.accelerator.device
         args = self.args
-        prompts = [row["prompt"] for row in rows]
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        conversations = None
-        pixel_inputs, token_aligned = None, {}  # prompts with images: each row's pixels, per-token extras
-        # What one process can fail at alone (a bad prompt, generation running out of memory, a reward function
-        # raising or returning the wrong number of scores) runs in guarded blocks, so that the failure stops every
-        # process before the gathers below. Collective generation (a vLLM server, sharded weights) and a sharded
-        # reward model's forward pass run collectives themselves, which every process must reach: they are not guarded.
-        if self.rollout_func is not None:
-            if self._images_need is None and image_column(rows[0]) is not None:
-                prompts, encoded, images = self._encode_prompts_with_images(rows)
-                # The function gets each prompt's image parts holding the images themselves.
-                with_images = [with_image_objects(prompt, row) for prompt, row in zip(prompts, images.images)]
-                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(with_images, mode)
-                with self._failures_reach_every_process("reading rollout_func's result"):
-                    _check_rollout_func_prompts(encoded, prompt_ids, prompt_mask)
-                pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
-            else:
-                prompt_ids, prompt_mask, completions, extra = self._custom_rollout(prompts, mode)
-            columns.update(extra)
-        elif self._tool_loop is not None:
-            prompts, prompt_ids, prompt_mask, completions, conversations, environments, encoded = (
-                self._multi_turn_rollout(rows, mode)
-            )
-            if environments is not None:
-                columns["environments"] = environments
-            if encoded is not None:  # prompts with images
-                pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
-        elif self._images_need is None and image_column(rows[0]) is not None:
-            prompts, encoded, images = self._encode_prompts_with_images(rows)
-            prompt_ids, prompt_mask = encoded.ids, encoded.mask
-            pixel_inputs, token_aligned = encoded.pixel_inputs, encoded.token_aligned
-            completions = self._generate_completions(prompt_ids, prompt_mask, mode, images)
-        else:
-            with self._failures_reach_every_process("tokenizing the prompts"):
-                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
-            completions = self._generate_completions(prompt_ids, prompt_mask, mode)
-        if args.pad_to_multiple_of is not None:
-            multiple, pad_id = args.pad_to_multiple_of, self.sampling.pad_token_id
-            extra_columns = -prompt_ids.size(1) % multiple
-            prompt_ids = nn.functional.pad(prompt_ids, (extra_columns, 0), value=pad_id)  # prompts are left-padded
-            prompt_mask = nn.functional.pad(prompt_mask, (extra_columns, 0), value=0)
-            token_aligned = {key: nn.functional.pad(value, (extra_columns, 0)) for key, value in token_aligned.items()}
-            completions = completions.padded_to_multiple(multiple, pad_id)
-        with self._failures_reach_every_process("scoring the completions"):
-            completion_texts, completion_id_lists = self._decode(completions)
-            if conversations is None:
-                reward_completions = self._as_reward_completions(prompts, completion_texts)
-            else:  # the table shows the conversation too
-                reward_completions = conversations
-                completion_texts = [conversation_text(conversation) for conversation in conversations]
-            reward_logs = RewardLogs(len(prompts))
-            scores_per_func = self.reward_scorer.score(
-                prompts,
-                reward_completions,
-                completion_id_lists,
-                {**columns, "log_extra": reward_logs.log_extra, "log_metric": reward_logs.log_metric},
-                self.state,
-                device,
-                models=not self._sharded,
-                run_async=self._async_runner.run,
-            )
-        if self._sharded:
-            scores_per_func = self.reward_scorer.score_models(scores_per_func, prompts, reward_completions, device)
-        completion_mask = completions.loss_mask.clone()
-        if args.mask_truncated_completions:
-            completion_mask[completions.truncated] = 0
-        valid = completion_mask.any(dim=1)
-
-        # Whitening needs whole groups, which may span processes: score over the gathered rollout, keep our slice.
-        local = self._local_slice(len(rows))
-        scores_per_func_all = self.accelerator.gather(scores_per_func)
-        valid_all = self.accelerator.gather(valid)
-        scores_all = self._combine_rewards(scores_per_func_all)
-        advantages_all = self._advantages(scores_per_func_all, scores_all, valid_all, mode)
-
-        batch = RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completions.ids,
-            completion_attention_mask=completions.attention_mask,
-            completion_mask=completion_mask,
-            valid=valid,
-            scores=scores_all[local],
-            advantages=advantages_all[local],
-            sample_index=torch.arange(local.start, local.stop, device=device),
-            pixel_inputs=pixel_inputs,
-            prompt_aligned=token_aligned if pixel_inputs is not None else {},
-        )
-        if completions.sampler_logps is not None:
-            batch["sampler_per_token_logps"] = completions.sampler_logps
+        sourced = self._rollout_source.collect(rows, mode)
+        group_size = self._group_size(mode)
+        scored = self._rollout_scorer.score(sourced, self.state, group_size, self._local_slice(len(rows)))
+        batch, advantages_all, valid_all = scored.batch, scored.advantages_all, scored.valid_all
         self._finish_rollout(batch, advantages_all, valid_all, mode)
         self._rollout_count += 1
         batch["rollout"] = self._rollout_count
-        extra_columns = self._record_reward_logs(reward_logs, mode)
+        extra_columns = self._rollout_scorer.record_reward_logs(scored.reward_logs, mode)
         if mode == "train" and args.log_completions:
-            self._record_completion_table(prompts, completion_texts, scores_per_func, scores_all, extra_columns)
+            step, rollout = self.state.global_step, self._rollout_count
+            self._completion_table = self._rollout_scorer.completion_table(scored, step, rollout, extra_columns)
         self._targets_at_rollout(batch, advantages_all, valid_all, mode)
-        self._record_rollout_metrics(completions, scores_per_func_all, scores_all, valid_all, mode)
+        self._rollout_scorer.record_metrics(scored, group_size, mode)
         return batch
 
     def _finish_rollout(
@@ -737,225 +597,9 @@ class TargetPOTrainer(Trainer):
             return contextlib.nullcontext()
         return failures_reach_every_process(what, self.accelerator.device)
 
-    def _encode_prompts_with_images(
-        self, rows: list[dict[str, Any]], prompts: list[Any] | None = None
-    ) -> tuple[list[Any], EncodedPrompts, PromptImages]:
-        """The rows' prompts (or ``prompts``, e.g. as environments reset them) with their image parts, encoded with
-        the rows' images by the processor (on this process's device), and the images as rollout backends take them."""
-        prompts = [row["prompt"] for row in rows] if prompts is None else prompts
-        with self._failures_reach_every_process("encoding the prompts and their images"):
-            images = [row_images(row) for row in rows]
-            prompts = [
-                with_image_parts(prompt, len(row_images_), index)
-                for index, (prompt, row_images_) in enumerate(zip(prompts, images))
-            ]
-            texts = self._render_prompts(prompts)
-            encoded = encode_prompts_with_images(
-                self._processor,
-                texts,
-                images,
-                self._max_prompt_tokens,
-                self.sampling.pad_token_id,
-                plain=[isinstance(prompt, str) for prompt in prompts],
-            ).to(self.accelerator.device)
-            if self._max_prompt_tokens is not None:  # rows with images are never cut (an error instead)
-                cut = [
-                    not row_images_ and len(ids) > self._max_prompt_tokens
-                    for row_images_, ids in zip(images, encoded.unexpanded_ids)
-                ]
-                self._report_cut_prompts(texts, cut)
-        return prompts, encoded, prompt_images(encoded, images)
-
-    def _generate_completions(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        mode: str,
-        images: PromptImages | None = None,
-    ) -> Completions:
-        """This rollout's completions: the ones generated ahead for these prompts (and images), or generated now."""
-        backend = self.rollout_backend
-        pending = self._take_upcoming_rollout(prompt_ids, prompt_mask, images) if mode == "train" else None
-        if pending is None:
-            self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
-        started = time.perf_counter()
-        with self._failures_reach_every_process("generating the completions", local=not backend.collective):
-            if pending is None:
-                pending = self._start_generating(prompt_ids, prompt_mask, images)
-            completions = pending.result()
-        self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
-        if completions.weight_versions is not None:
-            known = completions.weight_versions >= 0
-            staleness = self.accelerator.gather(
-                torch.where(known, self.state.global_step - completions.weight_versions, -1)
-            )
-            staleness = staleness[staleness >= 0].float()
-            if staleness.numel() > 0:
-                self._metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
-                self._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
-        return completions
-
-    def _multi_turn_rollout(self, rows: list[dict[str, Any]], mode: str) -> tuple[Any, ...]:
-        """Prompts (after each environment's reset), prompt ids and mask, completions, conversations, environments
-        and, for prompts with images, their encoding, of a rollout whose samples call tools over several turns."""
-        prompts = [row["prompt"] for row in rows]
-        environments, encoded, images_of_turn = None, None, None
-        toolboxes = [self._toolbox] * len(rows)
-        with self._failures_reach_every_process("starting the environments"):
-            if self._environments is not None:
-                environments, prompts, toolboxes = self._environments.start(rows)
-        if self._images_need is None and image_column(rows[0]) is not None:
-            prompts, encoded, images = self._encode_prompts_with_images(rows, prompts)
-            prompt_ids, prompt_mask = encoded.ids, encoded.mask
-            _check_takes_images(self.rollout_backend)
-
-            def images_of_turn(active: list[int], contexts: list[list[int]]) -> PromptImages:
-                return prompt_images(encoded, images.images, active, contexts)
-        else:
-            with self._failures_reach_every_process("tokenizing the prompts"):
-                prompt_ids, prompt_mask = self._tokenize_prompts(prompts)
-        backend = self.rollout_backend
-        self._sync_rollout_weights()  # collective where weights are gathered: outside the guarded block
-        started = time.perf_counter()
-        # A collective backend needs every process to generate each turn: they agree on whether any still has one.
-        agree = self._any_process if backend.collective else None
-        with self._failures_reach_every_process("generating the multi-turn completions", local=not backend.collective):
-            rollout = self._tool_loop.run(backend, prompt_ids, prompt_mask, toolboxes, agree, images_of_turn)
-        self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
-        calls, failures, turns = (
-            self.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=prompt_ids.device))
-            for values in (rollout.tool_calls, rollout.tool_failures, rollout.turns)
-        )
-        self._metrics[mode]["tools/call_frequency"].append(calls.mean().item())
-        self._metrics[mode]["tools/failure_frequency"].append((failures.sum() / calls.sum().clamp(min=1)).item())
-        self._metrics[mode]["multi_turn/turns_per_sample"].append(turns.mean().item())
-        return prompts, prompt_ids, prompt_mask, rollout.completions, rollout.conversations, environments, encoded
-
-    def _any_process(self, active: bool) -> bool:
-        return bool(self.accelerator.gather(torch.tensor([active], device=self.accelerator.device)).any())
-
-    def _custom_rollout(
-        self, prompts: list[Any], mode: str
-    ) -> tuple[torch.Tensor, torch.Tensor, Completions, dict[str, list]]:
-        """The rollout a user's ``rollout_func`` makes, checked: prompt ids and mask, completions, extra fields."""
-        self._sync_rollout_weights()
-        backend = self.rollout_backend
-        # The function may generate with a collective backend itself, which a failure must not leave waiting.
-        started = time.perf_counter()
-        with self._failures_reach_every_process("running rollout_func", local=not backend.collective):
-            result = self.rollout_func(copy.deepcopy(prompts), self)
-        self._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
-        with self._failures_reach_every_process("reading rollout_func's result"):
-            prompt_lists, completions, extra = custom_rollout_completions(
-                result,
-                len(prompts),
-                self.sampling.eos_token_ids,
-                self.sampling.pad_token_id,
-                self._vocab_size,
-                self.accelerator.device,
-                max_positions(self.accelerator.unwrap_model(self.model)),
-            )
-            clashes = (REWARD_ARGUMENTS | {"prompt"}) & set(extra)
-            if clashes:
-                raise ValueError(
-                    f"rollout_func returned extra field(s) {sorted(clashes)}, which are reward-function arguments "
-                    "already: rename them."
-                )
-        prompt_ids, prompt_mask = left_pad(prompt_lists, self.sampling.pad_token_id, self.accelerator.device)
-        return prompt_ids, prompt_mask, completions, extra
-
-    def _sync_rollout_weights(self) -> None:
-        """Give the rollout backend the current weights, at most once per optimiser step, if it keeps its own."""
-        backend = self.rollout_backend
-        if not backend.holds_weights or self._weights_version == self.state.global_step:
-            return
-        started = time.perf_counter()
-        with self._generation_model() as model:
-            backend.sync_weights(model, self.state.global_step)
-        self._weights_version = self.state.global_step
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["rollout/weight_sync_seconds"].append(time.perf_counter() - started)
-
-    def _start_upcoming_rollout(self, rows: list[dict[str, Any]]) -> None:
-        """Start generating the next rollout (async_rollouts) from the rows it will hold."""
-        if self._upcoming is not None:  # a resumed run can meet a lookahead before using the previous one
-            self._upcoming.pending.cancel()
-        if self._images_need is None and image_column(rows[0]) is not None:
-            _, encoded, images = self._encode_prompts_with_images(rows)
-            prompt_ids, prompt_mask = encoded.ids, encoded.mask
-        else:
-            with self._failures_reach_every_process("tokenizing the prompts"):
-                prompt_ids, prompt_mask = self._tokenize_prompts([row["prompt"] for row in rows])
-            images = None
-        self._sync_rollout_weights()
-        pending = self._start_generating(prompt_ids, prompt_mask, images)
-        self._upcoming = _UpcomingRollout(prompt_ids, prompt_mask, pending, images)
-
-    def _start_generating(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
-    ) -> PendingCompletions:
-        backend = self.rollout_backend
-        if images is None:  # a backend written for text prompts need not take images at all
-            return backend.start(prompt_ids, prompt_mask)
-        _check_takes_images(backend)
-        return backend.start(prompt_ids, prompt_mask, images=images)
-
-    def _take_upcoming_rollout(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
-    ) -> PendingCompletions | None:
-        """The rollout generated ahead, if it was made for exactly these prompts (and images) on every process."""
-        upcoming, self._upcoming = self._upcoming, None
-        if upcoming is None:  # the same on every process: they all start upcoming rollouts together
-            return None
-        same = (
-            upcoming.prompt_ids.shape == prompt_ids.shape
-            and bool((upcoming.prompt_ids == prompt_ids).all() and (upcoming.prompt_mask == prompt_mask).all())
-            and _same_model_inputs(upcoming.images, images)
-        )
-        if bool(self.accelerator.gather(torch.tensor([same], device=prompt_ids.device)).all()):
-            return upcoming.pending
-        upcoming.pending.cancel()  # e.g. a run resumed mid-epoch: the prompts it guessed are not the ones to train on
-        return None
-
-    def _tokenize_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
-        leave the completion room within the model's positions)."""
-        conversational = not isinstance(prompts[0], str)
-        texts = self._render_prompts(prompts)
-        encoded = self._tokenizer(
-            text=texts,
-            return_tensors="pt",
-            padding=True,
-            padding_side="left",
-            add_special_tokens=not conversational,  # a chat template writes its own special tokens
-        )
-        prompt_ids = encoded["input_ids"].to(self.accelerator.device)
-        prompt_mask = encoded["attention_mask"].to(self.accelerator.device)
-        if self._max_prompt_tokens is not None:
-            cut = encoded["attention_mask"][:, : -self._max_prompt_tokens].any(dim=1)
-            self._report_cut_prompts(texts, cut.tolist())
-            prompt_ids = prompt_ids[:, -self._max_prompt_tokens :]
-            prompt_mask = prompt_mask[:, -self._max_prompt_tokens :]
-        return prompt_ids, prompt_mask
-
-    def _report_cut_prompts(self, texts: list[str], cut: list[bool]) -> None:
-        """Warn once when prompts were cut to the limit, counting distinct prompts (a group repeats its prompt)."""
-        self._prompt_limit.report_cut(len({text for text, was_cut in zip(texts, cut) if was_cut}), len(set(texts)))
-
-    def _render_prompts(self, prompts: list[Any]) -> list[str]:
-        return render_prompts(
-            prompts, self._processor or self._tokenizer, self._tool_schemas, **(self.args.chat_template_kwargs or {})
-        )
-
-    def _generation_model(self):
-        """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
-        # vLLM takes the full weights whatever the setting: they are gathered for the push.
-        gather = self.args.ds3_gather_for_generation or self.args.use_vllm
-        return full_model_for_generation(self.accelerator, self.model_wrapped, gather)
-
     def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_checkpoint(*args, **kwargs)
-        self._weights_version = None  # new weights that came without an optimiser step
+        self._scheduler.forget_weights()  # new weights that came without an optimiser step
 
     # What a resumed run needs beyond the Trainer's own checkpoint (``callbacks.py``), saved and loaded beside the
     # optimiser (a checkpoint without the optimiser, save_only_model, cannot be resumed from anyway).
@@ -980,56 +624,9 @@ class TargetPOTrainer(Trainer):
         unwrap = self.accelerator.unwrap_model
         mix_weights_into(unwrap(self.ref_model), unwrap(self.model), self.args.ref_model_mixup_alpha)
 
-    def _push_weights_while_generating(self) -> None:
-        """A rollout backend that is generating ahead gets the new weights at once: its in-flight requests go on with
-        them, so the rollout is as fresh as it can be."""
-        if self._upcoming is not None:
-            self._sync_rollout_weights()
-
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         super()._load_best_model(*args, **kwargs)
-        self._weights_version = None
-
-    def _decode(self, completions: Completions) -> tuple[list[str], list[list[int]]]:
-        """Completion texts and token ids, each cut after its first EOS."""
-        lengths = completions.lengths.tolist()
-        id_lists = [row[:length] for row, length in zip(completions.ids.tolist(), lengths)]
-        texts = self._tokenizer.batch_decode(id_lists, skip_special_tokens=True)
-        return texts, id_lists
-
-    @staticmethod
-    def _as_reward_completions(prompts: list[Any], texts: list[str]) -> list[Any]:
-        """Strings for standard prompts; one assistant message for conversations (continuing a final one)."""
-        if isinstance(prompts[0], str):
-            return texts
-        completions = []
-        for prompt, text in zip(prompts, texts):
-            prefix = message_text(prompt[-1]) if prompt[-1]["role"] == "assistant" else ""
-            completions.append([{"role": "assistant", "content": prefix + text}])
-        return completions
-
-    def _combine_rewards(self, scores_per_func: torch.Tensor) -> torch.Tensor:
-        """The weighted sum over reward functions; functions that returned None for a sample are left out."""
-        unscored = torch.isnan(scores_per_func).all(dim=1)
-        if unscored.any() and not self._warned_unscored:
-            warnings.warn(
-                f"{int(unscored.sum())} completions were scored by no reward function (all returned None); they get a "
-                "reward of 0. Make sure every sample is scored by at least one function.",
-                stacklevel=2,
-            )
-            self._warned_unscored = True
-        weights = self.reward_scorer.weights.to(scores_per_func.device)
-        return (scores_per_func * weights).nansum(dim=1)
-
-    def _advantages(
-        self, scores_per_func_all: torch.Tensor, scores_all: torch.Tensor, valid_all: torch.Tensor, mode: str
-    ) -> torch.Tensor:
-        """The rollout's advantages ``u``, as ``scale_rewards`` and ``multi_objective_aggregation`` say."""
-        args = self.args
-        if args.multi_objective_aggregation == "normalize_then_sum":
-            weights = self.reward_scorer.weights.to(scores_per_func_all.device)
-            return F.decoupled_advantages(scores_per_func_all, weights, self._group_size(mode), valid_all)
-        return F.group_advantages(scores_all, self._group_size(mode), valid_all, args.scale_rewards)
+        self._scheduler.forget_weights()
 
     def _group_size(self, mode: str) -> int:
         """Completions per prompt: ``num_generations`` in training, ``num_generations_eval`` (if set) in evaluation."""
@@ -1134,34 +731,6 @@ class TargetPOTrainer(Trainer):
         return loss.detach(), None, None
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _record_rollout_metrics(
-        self,
-        completions: Completions,
-        scores_per_func_all: torch.Tensor,
-        scores_all: torch.Tensor,
-        valid_all: torch.Tensor,
-        mode: str,
-    ) -> None:
-        metrics = self._metrics[mode]
-        # Tokens the policy wrote: in multi-turn samples, tool turns do not count.
-        lengths = self.accelerator.gather(completions.loss_mask.sum(dim=1)).float()
-        truncated = self.accelerator.gather(completions.truncated).float()
-        metrics["completions/mean_length"].append(lengths.mean().item())
-        metrics["completions/min_length"].append(lengths.min().item())
-        metrics["completions/max_length"].append(lengths.max().item())
-        metrics["completions/clipped_ratio"].append(truncated.mean().item())
-        metrics["completions/valid_fraction"].append(valid_all.float().mean().item())
-        for index, name in enumerate(self.reward_scorer.names):
-            column = scores_per_func_all[:, index]
-            scored = column[~torch.isnan(column)]
-            if scored.numel() > 0:
-                metrics[f"rewards/{name}/mean"].append(scored.mean().item())
-                metrics[f"rewards/{name}/std"].append(scored.std(unbiased=False).item())
-        diagnostics = F.rollout_diagnostics(scores_all, self._group_size(mode), valid_all)
-        for name, logged_as in ROLLOUT_DIAGNOSTICS.items():
-            value = diagnostics[name].item()
-            if not math.isnan(value):  # reward_std has none when no completion is valid
-                metrics[logged_as].append(value)
 
     def _record_targets(self, batch: RolloutBatch, mode: str, valid: torch.Tensor | None = None) -> None:
         """The diagnostics of a freshly built q (``record_targets``), and q itself for the completions table."""
@@ -1169,38 +738,6 @@ class TargetPOTrainer(Trainer):
         table = self._completion_table
         if mode == "train" and table is not None and table.rollout == batch.rollout:
             table.fill_targets(sample_index.tolist(), targets.tolist())
-
-    def _record_reward_logs(self, logs: RewardLogs, mode: str) -> dict[str, list[Any]]:
-        """Average the metrics reward functions logged over every process; return their extra columns, gathered (a
-        process that logged no such column contributes None for each of its completions)."""
-        per_process = gather_object([(logs.metrics, logs.columns, logs.num_completions)])
-        for name in sorted({name for metrics, _, _ in per_process for name in metrics}):
-            values = [value for metrics, _, _ in per_process for value in metrics.get(name, [])]
-            self._metrics[mode][name].append(sum(values) / len(values))
-        names = sorted({name for _, columns, _ in per_process for name in columns})
-        return {name: [v for _, cols, n in per_process for v in cols.get(name, [None] * n)] for name in names}
-
-    def _record_completion_table(
-        self,
-        prompts: list[Any],
-        completions: list[str],
-        scores_per_func: torch.Tensor,
-        scores_all: torch.Tensor,
-        extra_columns: dict[str, list[Any]] | None = None,
-    ) -> None:
-        prompt_texts = gather_object(self._render_prompts(prompts))
-        completion_texts = gather_object(completions)
-        per_func = self.accelerator.gather(scores_per_func).cpu()
-        self._completion_table = RolloutTable(
-            step=self.state.global_step,
-            prompts=prompt_texts,
-            completions=completion_texts,
-            rewards={name: per_func[:, index].tolist() for index, name in enumerate(self.reward_scorer.names)},
-            total_rewards=scores_all.tolist(),
-            rollout=self._rollout_count,
-            extra=extra_columns or {},
-            unique_prompts=self.args.log_unique_prompts,
-        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -1231,63 +768,3 @@ class TargetPOTrainer(Trainer):
                     self._pushed_rollout = self._completion_table.rollout
 
 
-def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method``, without keeping its object alive."""
-    reference = weakref.WeakMethod(method)
-    return lambda *args, **kwargs: reference()(*args, **kwargs)
-
-
-class _UpcomingRollout:
-    """The next rollout's prompts (and their images) and its generation under way."""
-
-    def __init__(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        pending: PendingCompletions,
-        images: PromptImages | None = None,
-    ):
-        self.prompt_ids, self.prompt_mask, self.pending, self.images = prompt_ids, prompt_mask, pending, images
-
-
-def _check_rollout_func_prompts(encoded: EncodedPrompts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-    """The training pass reads each prompt's pixels beside the prompt ids: those a rollout_func returns must be the
-    processor's encoding of the prompt with its images, image tokens expanded."""
-    expected, returned = unpadded_prompts(encoded.ids, encoded.mask), unpadded_prompts(prompt_ids, prompt_mask)
-    for row, (ours, theirs) in enumerate(zip(expected, returned)):
-        if ours == theirs:
-            continue
-        was_cut = len(encoded.unexpanded_ids[row]) > len(ours)  # a row without images: its ids, before the cut
-        if not encoded.pixel_inputs[row] and was_cut and theirs[-len(ours) :] == ours:
-            raise ValueError(
-                f"rollout_func returned prompt_ids for prompt {row} (no images) {len(theirs)} tokens long, more than "
-                f"the {len(ours)} prompt tokens allowed (max_prompt_length, or what the model's positions leave beside "
-                "max_completion_length). In a batch with images every prompt's ids must be the processor's encoding, "
-                f"which keeps a longer prompt's last tokens: return its last {len(ours)} tokens, or raise "
-                "max_prompt_length."
-            )
-        raise ValueError(
-            f"rollout_func returned prompt_ids for prompt {row} ({len(theirs)} tokens) that are not the processor's "
-            f"encoding of that prompt with its images ({len(ours)} tokens, image placeholders expanded), which the "
-            "training pass reads the pixels against. Return the ids the engine reports after expanding the images "
-            "(vLLM: `output.prompt_token_ids`), or `processor(text=..., images=...)['input_ids']` of the prompt "
-            "rendered with `processor.apply_chat_template`."
-        )
-
-
-def _check_takes_images(backend: RolloutBackend) -> None:
-    if not getattr(backend, "takes_images", False):
-        raise ValueError(
-            f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` is "
-            "not True): generate with one that does (model.generate or vLLM), or give prompts without images."
-        )
-
-
-def _same_model_inputs(first: PromptImages | None, second: PromptImages | None) -> bool:
-    """Whether two rollouts' prompts carry the same pixels (prompts of equal ids can hold other images)."""
-    if first is None or second is None:
-        return first is second
-    one, other = first.model_inputs, second.model_inputs
-    return one.keys() == other.keys() and all(
-        one[key].shape == other[key].shape and torch.equal(one[key], other[key]) for key in one
-    )

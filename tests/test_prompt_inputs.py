@@ -81,7 +81,7 @@ def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer,
             short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=14, max_completion_length=4),
             train_dataset=dataset, processing_class=tokenizer,
         )
-    assert trainer._tokenize_prompts(PROMPTS[:1])[0].size(1) == 12
+    assert trainer._prompt_encoder.tokenize(PROMPTS[:1])[0].size(1) == 12
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # within the room: nothing to say
         trainer = TargetPOTrainer(
@@ -89,7 +89,7 @@ def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer,
             train_dataset=dataset, processing_class=tokenizer,
         )
     with pytest.warns(UserWarning, match=r"^1 of the 1 prompts .* longer than 8 tokens \(max_prompt_length=8\)"):
-        ids, _ = trainer._tokenize_prompts(PROMPTS[:1])
+        ids, _ = trainer._prompt_encoder.tokenize(PROMPTS[:1])
     assert tokenizer.decode(ids[0]) == PROMPTS[0][-8:]
 
 

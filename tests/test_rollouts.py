@@ -13,7 +13,6 @@ from conftest import count_letters_reward, make_config
 from datasets import Dataset
 
 from targetpo import TargetPOTrainer
-from targetpo import trainer as trainer_module
 from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
 from targetpo.generation import (
     Completions,
@@ -24,6 +23,7 @@ from targetpo.generation import (
     pad_completions,
 )
 from targetpo.generation.serve import serve_command
+from targetpo.rollout import scheduler as scheduler_module
 
 
 def test_a_loss_mask_defaults_to_the_attention_mask_and_may_not_reach_past_it():
@@ -136,7 +136,7 @@ def test_a_rollout_generated_ahead_for_other_prompts_is_cancelled_and_generated_
 
     monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
     backend = EchoingStarts(tokenizer.eos_token_id, tokenizer.pad_token_id)
-    monkeypatch.setattr(trainer_module, "build_rollout_backend", lambda *args, **kwargs: backend)  # not a server
+    monkeypatch.setattr(scheduler_module, "build_rollout_backend", lambda *args, **kwargs: backend)  # not a server
     args = make_config(tmp_path, use_vllm=True, vllm_mode="server", async_rollouts=True, max_steps=3)
     trainer = TargetPOTrainer(tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset,
                               processing_class=tokenizer)

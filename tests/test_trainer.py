@@ -525,7 +525,7 @@ def test_long_prompts_keep_their_last_tokens(tmp_path, tiny_model, tokenizer, pr
         tiny_model, length_reward, args=make_config(tmp_path, max_prompt_length=3), train_dataset=prompt_dataset,
         processing_class=tokenizer,
     )
-    ids, mask = trainer._tokenize_prompts(["Say cat:", "Hi:"])
+    ids, mask = trainer._prompt_encoder.tokenize(["Say cat:", "Hi:"])
     assert ids.shape == (2, 3) and mask.tolist() == [[1, 1, 1], [1, 1, 1]]
     assert tokenizer.decode(ids[0]) == "at:" and tokenizer.decode(ids[1]) == "Hi:"
 
@@ -537,9 +537,9 @@ def test_unscored_samples_are_left_out_of_the_sum(tmp_path, tiny_model, tokenize
     )
     nan = float("nan")
     per_func = torch.tensor([[1.0, 3.0], [nan, 3.0], [1.0, nan]])
-    assert torch.equal(trainer._combine_rewards(per_func), torch.tensor([5.0, 3.0, 2.0]))
+    assert torch.equal(trainer._rollout_scorer.combine_rewards(per_func), torch.tensor([5.0, 3.0, 2.0]))
     with pytest.warns(UserWarning, match="scored by no reward function"):
-        assert trainer._combine_rewards(torch.tensor([[nan, nan]])).tolist() == [0.0]
+        assert trainer._rollout_scorer.combine_rewards(torch.tensor([[nan, nan]])).tolist() == [0.0]
 
 
 def test_remove_unused_columns_keeps_only_the_prompt(tmp_path, tiny_model, tokenizer, prompt_dataset):
@@ -735,7 +735,7 @@ def test_an_assistant_prefill_in_content_parts_is_continued_like_a_string_one(tm
         model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
         trainer = TargetPOTrainer(model, reward, args=make_config(tmp_path / kind, max_steps=1), train_dataset=dataset,
                                   processing_class=tokenizer)
-        assert trainer._render_prompts([dataset[0]["prompt"]]) == ["<user>Say cat\n<assistant>The word is"]
+        assert trainer._prompt_encoder.render([dataset[0]["prompt"]]) == ["<user>Say cat\n<assistant>The word is"]
         trainer.train()
         assert trainer.state.global_step == 1
     for completions, completion_ids in received["parts"]:

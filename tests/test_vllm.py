@@ -72,7 +72,7 @@ class EngineCheckAtTrainEnd(TrainerCallback):
         self.trainer, self.checked = trainer, False
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._sync_rollout_weights()
+        self.trainer._scheduler.sync_weights()
         engine = self.trainer.rollout_backend.engine
         greedy_tokens_match(self.trainer, lambda prompts: engine.generate(prompts, GREEDY, [0] * len(prompts)))
         self.checked = True
@@ -178,7 +178,7 @@ def test_colocate_engine_holds_the_trainers_weights_at_every_rollout(tmp_path, u
     assert_one_backend_serves_evaluation_until_close(trainer)
     from vllm.distributed import parallel_state
 
-    engine = trainer._built_rollout_backend.engine
+    engine = trainer._scheduler.built_backend.engine
     trainer.close()
     assert engine.llm is None and parallel_state._WORLD is None  # the engine and its process groups are gone
 
@@ -250,7 +250,7 @@ class EngineMatchesAfterEachStep(TrainerCallback):
         self.trainer, self.base_url, self.steps = trainer, base_url, []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._sync_rollout_weights()
+        self.trainer._scheduler.sync_weights()
         # The long prompt fills a whole prefix-cache block: a cache kept across weight pushes would serve it keys and
         # values of older weights.
         greedy_tokens_match(self.trainer, engine_greedy(self.base_url), ("0110", "111000", "01", "0110100111" * 4))

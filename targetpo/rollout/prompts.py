@@ -1,0 +1,133 @@
+"""A rollout's prompts as the model reads them: rendered with the chat template, then tokenized (text) or encoded with
+their images by the processor, left-padded and cut to the prompt limit.
+
+:meth:`PromptEncoder.encode` is the one place that decides whether a rollout's prompts carry images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..data import render_prompts
+from ..generation import PromptImages
+from ..modeling.loading import PromptLimit
+from ..vision import (
+    EncodedPrompts,
+    encode_prompts_with_images,
+    image_column,
+    prompt_images,
+    row_images,
+    with_image_parts,
+)
+
+#: ``guard(what)``: a block whose failure on one process stops every process (``failures_reach_every_process``).
+Guard = Callable[[str], contextlib.AbstractContextManager]
+
+
+@dataclass
+class RolloutPrompts:
+    """One process's prompts of a rollout, as generation and the training pass read them."""
+
+    prompts: list[Any]  # as rendered: with image parts, or as the environments reset them
+    ids: torch.Tensor  # (rows, prompt tokens), left-padded
+    mask: torch.Tensor
+    encoded: EncodedPrompts | None = None  # prompts with images: the processor's encoding (pixels, per-token extras)
+    images: PromptImages | None = None  # prompts with images: the images as rollout backends take them
+
+
+class PromptEncoder:
+    """Renders, tokenizes and encodes prompts within the prompt limit, on this process's device."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        processor: Any,
+        tool_schemas: list[dict[str, Any]],
+        chat_template_kwargs: dict[str, Any] | None,
+        prompt_limit: PromptLimit,
+        pad_token_id: int,
+        device: torch.device,
+        guard: Guard,
+        images_allowed: bool,
+    ):
+        self.tokenizer, self.processor, self.tool_schemas = tokenizer, processor, tool_schemas
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.prompt_limit, self.max_tokens = prompt_limit, prompt_limit.tokens
+        self.pad_token_id, self.device, self.guard, self.images_allowed = pad_token_id, device, guard, images_allowed
+
+    def has_images(self, rows: list[dict[str, Any]]) -> bool:
+        """Whether the rows' prompts are encoded with images (the run can train on them and the rows have some)."""
+        return self.images_allowed and image_column(rows[0]) is not None
+
+    def encode(self, rows: list[dict[str, Any]], prompts: list[Any] | None = None) -> RolloutPrompts:
+        """The rows' prompts (or ``prompts``, e.g. as environments reset them), with their images if they have some."""
+        prompts = [row["prompt"] for row in rows] if prompts is None else prompts
+        if self.has_images(rows):
+            prompts, encoded, images = self.encode_with_images(rows, prompts)
+            return RolloutPrompts(prompts, encoded.ids, encoded.mask, encoded, images)
+        with self.guard("tokenizing the prompts"):
+            ids, mask = self.tokenize(prompts)
+        return RolloutPrompts(prompts, ids, mask)
+
+    def tokenize(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
+        leave the completion room within the model's positions)."""
+        conversational = not isinstance(prompts[0], str)
+        texts = self.render(prompts)
+        encoded = self.tokenizer(
+            text=texts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=not conversational,  # a chat template writes its own special tokens
+        )
+        prompt_ids = encoded["input_ids"].to(self.device)
+        prompt_mask = encoded["attention_mask"].to(self.device)
+        if self.max_tokens is not None:
+            cut = encoded["attention_mask"][:, : -self.max_tokens].any(dim=1)
+            self.report_cut(texts, cut.tolist())
+            prompt_ids = prompt_ids[:, -self.max_tokens :]
+            prompt_mask = prompt_mask[:, -self.max_tokens :]
+        return prompt_ids, prompt_mask
+
+    def encode_with_images(
+        self, rows: list[dict[str, Any]], prompts: list[Any] | None = None
+    ) -> tuple[list[Any], EncodedPrompts, PromptImages]:
+        """The rows' prompts (or ``prompts``) with their image parts, encoded with the rows' images by the processor,
+        and the images as rollout backends take them."""
+        prompts = [row["prompt"] for row in rows] if prompts is None else prompts
+        with self.guard("encoding the prompts and their images"):
+            images = [row_images(row) for row in rows]
+            prompts = [
+                with_image_parts(prompt, len(row_images_), index)
+                for index, (prompt, row_images_) in enumerate(zip(prompts, images))
+            ]
+            texts = self.render(prompts)
+            encoded = encode_prompts_with_images(
+                self.processor,
+                texts,
+                images,
+                self.max_tokens,
+                self.pad_token_id,
+                plain=[isinstance(prompt, str) for prompt in prompts],
+            ).to(self.device)
+            if self.max_tokens is not None:  # rows with images are never cut (an error instead)
+                cut = [
+                    not row_images_ and len(ids) > self.max_tokens
+                    for row_images_, ids in zip(images, encoded.unexpanded_ids)
+                ]
+                self.report_cut(texts, cut)
+        return prompts, encoded, prompt_images(encoded, images)
+
+    def report_cut(self, texts: list[str], cut: list[bool]) -> None:
+        """Warn once when prompts were cut to the limit, counting distinct prompts (a group repeats its prompt)."""
+        self.prompt_limit.report_cut(len({text for text, was_cut in zip(texts, cut) if was_cut}), len(set(texts)))
+
+    def render(self, prompts: list[Any]) -> list[str]:
+        """The prompts as text: conversations through the chat template (with the tools), strings as they are."""
+        return render_prompts(prompts, self.processor or self.tokenizer, self.tool_schemas, **self.chat_template_kwargs)

@@ -1,0 +1,239 @@
+"""When rollouts are made and with which weights: the rollout buffer and its reuse over step batches and iterations,
+rollouts generated ahead (``async_rollouts``), the weight pushes to the rollout backend, and the backend's life.
+
+The sampler repeats each process's rows of a rollout for every micro-step the rollout serves, tagging each repeat
+with its use (``ROLLOUT_USE``): use 0 makes the rollout, and each use takes its step batch from the buffer. A sampler
+that looks ahead also hands, at one use, the rows of the next rollout (``UPCOMING_ROW``), whose generation then
+starts while this one trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..data import ROLLOUT_USE, UPCOMING_ROW
+from ..distributed import full_model_for_generation
+from ..generation import (
+    Completions,
+    PendingCompletions,
+    PromptImages,
+    RolloutBackend,
+    build_rollout_backend,
+    close_at_exit,
+)
+from .records import RolloutBatch
+
+if TYPE_CHECKING:
+    from ..tools import AsyncRunner
+    from ..trainer import TargetPOTrainer
+
+
+@dataclass
+class UpcomingRollout:
+    """The next rollout's prompts (and their images) and its generation under way."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    pending: PendingCompletions
+    images: PromptImages | None = None
+
+
+class RolloutScheduler:
+    """The rollout buffer, rollouts generated ahead, weight pushes and the rollout backend of one trainer."""
+
+    def __init__(self, trainer: TargetPOTrainer, async_runner: AsyncRunner):
+        self.trainer = trainer  # its step, its model and its ``_rollout``, read when they are needed
+        self.async_runner = async_runner
+        self._backend: RolloutBackend | None = None  # the one rollouts use
+        self.built_backend: RolloutBackend | None = None  # the one this scheduler built, and closes
+        self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
+        self.weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
+        self.upcoming: UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
+        self.buffer: list[RolloutBatch] | None = None  # the current rollout's step batches
+
+    # ------------------------------------------------------------------------------------------------ the backend
+    @property
+    def backend(self) -> RolloutBackend:
+        """The backend rollouts use: built on first use (again after :meth:`close`)."""
+        if self._backend is None:
+            trainer, args = self.trainer, self.trainer.args
+            max_model_len = None
+            if trainer._max_prompt_tokens is not None:
+                # Room for the longest prompt and completion, within what the model's positions allow.
+                max_model_len = trainer._max_prompt_tokens + args.max_completion_length
+            self._backend = self.built_backend = build_rollout_backend(
+                args,
+                trainer.accelerator,
+                trainer.accelerator.unwrap_model(trainer.model),
+                trainer.sampling,
+                _weak_method(self.generation_model),  # the backend, closed when the trainer goes, must not keep it
+                trainer._sharded,
+                max_model_len,
+                trainer._processor or trainer._tokenizer,
+            )
+            # The finalizer holds the backend, not the trainer: it runs at `close()`, when the trainer is collected,
+            # or at the interpreter's exit, whichever comes first.
+            self._backend_closer = weakref.finalize(trainer, close_at_exit, self.built_backend)
+            self.weights_version = None
+        return self._backend
+
+    def use_backend(self, backend: RolloutBackend) -> None:
+        """Generate with ``backend`` from now on; the built one stays open until :meth:`close`."""
+        self._backend = backend
+        self.weights_version = None
+
+    def close(self) -> None:
+        """Stop generating and close the backend this scheduler built (once)."""
+        self.stop_generating()
+        built, self.built_backend = self.built_backend, None
+        closer, self._backend_closer = self._backend_closer, None
+        if closer is not None and closer.detach() is not None:  # never closed again at exit
+            built.close()
+            self.weights_version = None  # a backend that wrapped it holds no weights now either
+            if self._backend is built:
+                self._backend = None
+
+    def stop_generating(self) -> None:
+        """Cancel a rollout generated ahead that nothing will use, and stop the tools' event loop."""
+        if self.upcoming is not None:
+            self.upcoming.pending.cancel()
+            self.upcoming = None
+        self.async_runner.close()
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def generation_model(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
+        trainer = self.trainer
+        # vLLM takes the full weights whatever the setting: they are gathered for the push.
+        gather = trainer.args.ds3_gather_for_generation or trainer.args.use_vllm
+        return full_model_for_generation(trainer.accelerator, trainer.model_wrapped, gather)
+
+    def forget_weights(self) -> None:
+        """The policy's weights changed without an optimiser step (a new run, a loaded checkpoint): push them again."""
+        self.weights_version = None
+
+    def sync_weights(self) -> None:
+        """Give the rollout backend the current weights, at most once per optimiser step, if it keeps its own."""
+        backend, step = self.backend, self.trainer.state.global_step
+        if not backend.holds_weights or self.weights_version == step:
+            return
+        started = time.perf_counter()
+        with self.generation_model() as model:
+            backend.sync_weights(model, step)
+        self.weights_version = step
+        mode = "train" if self.trainer.model.training else "eval"
+        self.trainer._metrics[mode]["rollout/weight_sync_seconds"].append(time.perf_counter() - started)
+
+    def push_weights_while_generating(self) -> None:
+        """After an optimiser step: a rollout being generated ahead goes on with the new weights at once."""
+        if self.upcoming is not None:
+            self.sync_weights()
+
+    # ------------------------------------------------------------------------------------------------ rollouts
+    def step_batch(self, rows: list[dict[str, Any]]) -> RolloutBatch:
+        """The training step batch these tagged rows stand for: use 0 makes a new rollout (so does a resumed run, which
+        may begin mid-rollout); uses cycle through the step batches, ``num_iterations`` times."""
+        trainer, args = self.trainer, self.trainer.args
+        use = rows[0][ROLLOUT_USE]
+        upcoming = [row.get(UPCOMING_ROW) for row in rows]
+        rows = [{key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW)} for row in rows]
+        if self.buffer is None or use == 0:
+            rollout = trainer._rollout(rows, mode="train")
+            self.buffer = rollout.step_batches(args.per_device_train_batch_size)
+        if use == trainer._lookahead_use and upcoming[0] is not None:
+            self.start_upcoming(upcoming)
+        return self.buffer[use % args.steps_per_generation]
+
+    def completions(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, mode: str, images: PromptImages | None = None
+    ) -> Completions:
+        """This rollout's completions: the ones generated ahead for these prompts (and images), or generated now."""
+        trainer = self.trainer
+        backend = self.backend
+        pending = self.take_upcoming(prompt_ids, prompt_mask, images) if mode == "train" else None
+        if pending is None:
+            self.sync_weights()  # collective where weights are gathered: outside the guarded block
+        started = time.perf_counter()
+        with trainer._failures_reach_every_process("generating the completions", local=not backend.collective):
+            if pending is None:
+                pending = self.start_generating(prompt_ids, prompt_mask, images)
+            completions = pending.result()
+        trainer._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
+        if completions.weight_versions is not None:
+            known = completions.weight_versions >= 0
+            staleness = trainer.accelerator.gather(
+                torch.where(known, trainer.state.global_step - completions.weight_versions, -1)
+            )
+            staleness = staleness[staleness >= 0].float()
+            if staleness.numel() > 0:
+                trainer._metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
+                trainer._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
+        return completions
+
+    def start_upcoming(self, rows: list[dict[str, Any]]) -> None:
+        """Start generating the next rollout (async_rollouts) from the rows it will hold."""
+        if self.upcoming is not None:  # a resumed run can meet a lookahead before using the previous one
+            self.upcoming.pending.cancel()
+        prompts = self.trainer._prompt_encoder.encode(rows)
+        self.sync_weights()
+        pending = self.start_generating(prompts.ids, prompts.mask, prompts.images)
+        self.upcoming = UpcomingRollout(prompts.ids, prompts.mask, pending, prompts.images)
+
+    def start_generating(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
+    ) -> PendingCompletions:
+        backend = self.backend
+        if images is None:  # a backend written for text prompts need not take images at all
+            return backend.start(prompt_ids, prompt_mask)
+        check_takes_images(backend)
+        return backend.start(prompt_ids, prompt_mask, images=images)
+
+    def take_upcoming(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
+    ) -> PendingCompletions | None:
+        """The rollout generated ahead, if it was made for exactly these prompts (and images) on every process."""
+        upcoming, self.upcoming = self.upcoming, None
+        if upcoming is None:  # the same on every process: they all start upcoming rollouts together
+            return None
+        same = (
+            upcoming.prompt_ids.shape == prompt_ids.shape
+            and bool((upcoming.prompt_ids == prompt_ids).all() and (upcoming.prompt_mask == prompt_mask).all())
+            and same_model_inputs(upcoming.images, images)
+        )
+        if bool(self.trainer.accelerator.gather(torch.tensor([same], device=prompt_ids.device)).all()):
+            return upcoming.pending
+        upcoming.pending.cancel()  # e.g. a run resumed mid-epoch: the prompts it guessed are not the ones to train on
+        return None
+
+
+def check_takes_images(backend: RolloutBackend) -> None:
+    """Refuse a backend that cannot generate from prompts with images."""
+    if not getattr(backend, "takes_images", False):
+        raise ValueError(
+            f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` is "
+            "not True): generate with one that does (model.generate or vLLM), or give prompts without images."
+        )
+
+
+def same_model_inputs(first: PromptImages | None, second: PromptImages | None) -> bool:
+    """Whether two rollouts' prompts carry the same pixels (prompts of equal ids can hold other images)."""
+    if first is None or second is None:
+        return first is second
+    one, other = first.model_inputs, second.model_inputs
+    return one.keys() == other.keys() and all(
+        one[key].shape == other[key].shape and torch.equal(one[key], other[key]) for key in one
+    )
+
+
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, without keeping its object alive."""
+    reference = weakref.WeakMethod(method)
+    return lambda *args, **kwargs: reference()(*args, **kwargs)
