@@ -6,6 +6,7 @@ a sampler other than the trainer (vLLM). Each takes tensors and returns tensors;
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -154,3 +155,26 @@ class ImportanceWeights:
         level = self.mode.split("_")[0]
         ratios = F.importance_sampling_weights(trainer_logps, sampler_logps, mask, f"{level}_truncate", None, None)
         return ((ratios > self.clip_max) | (ratios < (self.clip_min or 0.0))).float()
+
+
+def importance_sampling_applies(args: Any, sampling: Any) -> bool:
+    """Whether the vLLM importance-sampling correction runs: asked for, and sampling not reshaped (a warning says why
+    when it is); a warning too when async rollouts go without it."""
+    applies = args.use_vllm and args.vllm_importance_sampling_correction
+    if applies and sampling.reshapes_distribution:
+        # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
+        # their ratio would measure the truncation, not an implementation mismatch.
+        warnings.warn(
+            "vllm_importance_sampling_correction is switched off: sampling is reshaped by "
+            f"{', '.join(sampling.reshaping_settings)}; the engine's sampling log-probs include that reshaping and the "
+            "trainer's do not, so the weights would shrink every gradient. Sample without them to use the correction.",
+            stacklevel=4,
+        )
+        applies = False
+    if args.async_rollouts and not applies:
+        warnings.warn(
+            "async_rollouts=True without the importance-sampling correction: completions sampled by older weights "
+            "are trained on as if the current policy had written them.",
+            stacklevel=4,
+        )
+    return applies

@@ -15,8 +15,6 @@ One training micro-step reads as:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +30,7 @@ from transformers import (
 
 from . import functional as F
 from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
-from .config import GRPOConfig, TargetPOConfig
+from .config import TargetPOConfig
 from .data import (
     NEEDS_PROCESSOR,
     ROLLOUT_USE,
@@ -41,7 +39,6 @@ from .data import (
     RolloutRows,
     RolloutStream,
     check_streaming_supported,
-    first_row,
     identity_collator,
     is_stream,
     lookahead_use,
@@ -61,35 +58,30 @@ from .generation import (
 from .metrics import MetricsRecorder, record_loss_metrics, record_targets
 from .modeling.loading import (
     PromptLimit,
-    apply_peft,
-    cast_output_head_to_fp32,
-    disable_dropout,
-    frozen_reference,
-    is_peft_model,
     load_policy,
     load_processing_class,
     load_tokenizer,
     max_positions,
     mix_weights_into,
-    model_identifier,
+    prepare_policy,
 )
-from .modeling.logps import require_liger
 from .multi_turn import (
     EnvironmentPool,
     ToolLoop,
     check_multi_turn_arguments,
     with_environment_reward,
 )
-from .objectives import TrainingLoss, build_objective, warn_if_grpo_config_trains_another_loss
+from .objectives import TrainingLoss, build_objective
 from .policy_logps import PolicyLogps, TokenLogps
-from .regularisers import EntropyBonus
+from .preflight import DatasetNeeds, check_datasets, check_run_settings, resolve_config
+from .regularisers import EntropyBonus, importance_sampling_applies
 from .reporting import (
     RolloutTable,
     log_completions_to_trackers,
     print_completions_table,
     push_completions_table,
 )
-from .rewards import REWARD_ARGUMENTS, RewardFunc, RewardScorer
+from .rewards import RewardFunc, RewardScorer
 from .rollout.prompts import PromptEncoder
 from .rollout.records import RolloutBatch
 from .rollout.scheduler import RolloutScheduler
@@ -146,35 +138,69 @@ class TargetPOTrainer(Trainer):
         environment_factory: Callable[[], Any] | None = None,
         rollout_func: Callable[[list[Any], TargetPOTrainer], dict[str, Any]] | None = None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else model_identifier(model) or "model"
-            args = TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
-        if isinstance(args, GRPOConfig) and not isinstance(args, TargetPOConfig):
-            # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
-            # trains the GRPO-family loss it names on this trainer's rollouts.
-            warn_if_grpo_config_trains_another_loss(args)
-            args = TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
-        if not isinstance(args, TargetPOConfig):
-            raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")
-        if args.auto_find_batch_size:
-            raise ValueError(
-                "auto_find_batch_size is not supported: the batch size fixes how prompt groups map to steps. Set "
-                "per_device_train_batch_size (a multiple of num_generations) instead."
-            )
-        if eval_dataset is not None:
-            args.check_eval_batch_size()
-        if args.use_liger_kernel:
-            require_liger(args.device)
-        if args.log_completions_hub_repo is not None:
-            from huggingface_hub.constants import HF_HUB_OFFLINE
+        args = resolve_config(model, args)
+        check_run_settings(args, evaluates=eval_dataset is not None)
+        reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
+        # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
+        self.reward_scorer = RewardScorer(
+            reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
+        )
+        policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
+        processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
+        self._tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
+        # A vision-language model's processor encodes prompts with images and renders them with its chat template.
+        self._processor = processing_class if is_processor(processing_class) else None
+        self._images_need = self._what_images_need()
+        needs = DatasetNeeds(
+            self._processor or self._tokenizer,
+            self._images_need,
+            multi_turn=self._tool_loop_needed,
+            has_environments=self._environments is not None,
+            check_reward_arguments=self.reward_scorer.check_arguments if rollout_func is None else None,
+        )
+        check_datasets(args, train_dataset, eval_dataset, needs)
+        # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
+        self._prompt_limit = PromptLimit(
+            args.max_prompt_length,
+            args.max_completion_length,
+            max_positions(policy),
+            prompt_length_is_default=args.max_prompt_length == TargetPOConfig.max_prompt_length,
+        )
+        self._max_prompt_tokens = self._prompt_limit.tokens
+        policy, self.ref_model = prepare_policy(policy, args, peft_config)
+        super().__init__(
+            model=policy,
+            args=args,
+            data_collator=identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=self._processor or self._tokenizer,  # saved with every checkpoint
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.model_accepts_loss_kwargs = False
+        check_engine_supported(self.accelerator)
+        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
+        self._sharded = shards_parameters(self.accelerator)
+        self._prepare_frozen_models()
+        self.sampling = SamplingSettings.from_config(args, self._tokenizer, self.accelerator.unwrap_model(self.model))
+        self._metrics = MetricsRecorder(self.accelerator)  # each metric's running mean since the last log
+        self._set_up_rollouts()
+        self._set_up_loss()
+        # Each process samples its own completions (a group split over processes must not repeat itself), and the
+        # same seed still reproduces the same run.
+        set_seed(args.seed, device_specific=True)
 
-            if HF_HUB_OFFLINE:
-                raise ValueError(
-                    f"log_completions_hub_repo={args.log_completions_hub_repo!r} pushes the completions to the Hugging "
-                    "Face Hub, but the Hub is switched off (HF_HUB_OFFLINE=1). Unset log_completions_hub_repo, or run "
-                    "with Hub access."
-                )
-
+    def _set_up_tools(
+        self,
+        tools: Sequence[Callable] | None,
+        environment_factory: Any,
+        rollout_func: Any,
+        reward_funcs: Any,
+        args: Any,
+    ) -> tuple[Any, Any]:
+        """Tools, environments and rollout_func, checked; the reward functions and weights, with an environment's
+        own reward joined."""
         self.tools = list(tools or [])
         self.rollout_func = rollout_func
         check_multi_turn_arguments(self.tools, environment_factory, rollout_func, args)
@@ -185,89 +211,14 @@ class TargetPOTrainer(Trainer):
             if environment_factory is not None
             else None
         )
-        reward_weights = args.reward_weights
+        self._tool_loop_needed = bool(self.tools) or self._environments is not None
         if self._environments is not None and self._environments.reward is not None:
-            reward_funcs, reward_weights = with_environment_reward(
-                reward_funcs, reward_weights, self._environments.reward
-            )
-        # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
-        self.reward_scorer = RewardScorer(
-            reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
-        )
-        policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
-        processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
-        tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
-        # A vision-language model's processor encodes prompts with images and renders them with its chat template.
-        self._processor = processing_class if is_processor(processing_class) else None
-        self._images_need = self._what_images_need()
-        # Named evaluation datasets (a dict) are each checked, and evaluated under their own metric prefix.
-        named_evals = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
-        splits = [("train", train_dataset)] + [
-            ("eval" if name is None else f"eval[{name!r}]", dataset) for name, dataset in named_evals.items()
-        ]
-        splits = [(split, dataset) for split, dataset in splits if dataset is not None]
-        for split, dataset in splits:
-            validate_prompt_dataset(dataset, split, self._processor or tokenizer, self._images_need)
-        if any(is_stream(dataset) for _, dataset in splits):
-            check_streaming_supported(args, train_is_stream=is_stream(train_dataset))
-        if self.tools or self._environments is not None:
-            for split, dataset in splits:
-                if isinstance(first_row(dataset)["prompt"], str):
-                    raise ValueError(
-                        f"Tools and environments need a conversational {split} dataset (prompts as lists of chat "
-                        "messages): the chat template renders the tools and the tool turns. Wrap each prompt as "
-                        "`[{'role': 'user', 'content': prompt}]`."
-                    )
-        # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
-        self._prompt_limit = PromptLimit(
-            args.max_prompt_length,
-            args.max_completion_length,
-            max_positions(policy),
-            prompt_length_is_default=args.max_prompt_length == TargetPOConfig.max_prompt_length,
-        )
-        self._max_prompt_tokens = self._prompt_limit.tokens
-        reserved = REWARD_ARGUMENTS | ({"environments"} if self._environments is not None else set())
-        for split, dataset in splits:
-            columns = set(getattr(dataset, "column_names", None) or first_row(dataset))
-            clashes = reserved & columns
-            if clashes:
-                raise ValueError(
-                    f"Dataset column(s) {sorted(clashes)} would collide with the reward-function arguments of the same "
-                    "name; rename them (e.g. `dataset.rename_column(...)`)."
-                )
-            if rollout_func is None:  # a rollout_func's extra fields are arguments too, known only once it runs
-                self._check_reward_arguments(split, columns, args.remove_unused_columns)
-        if (
-            train_dataset is not None
-            and not is_stream(train_dataset)
-            and len(train_dataset) < args.generation_batch_size // args.num_generations
-        ):
-            raise ValueError(
-                f"The train dataset has {len(train_dataset)} prompts but one rollout needs "
-                f"generation_batch_size // num_generations = {args.generation_batch_size // args.num_generations}."
-            )
+            return with_environment_reward(reward_funcs, args.reward_weights, self._environments.reward)
+        return reward_funcs, args.reward_weights
 
-        if args.cast_lm_head_to_fp32:  # before the reference is copied from the policy, so it has the same head
-            cast_output_head_to_fp32(policy)
-        if peft_config is not None:
-            policy = apply_peft(policy, peft_config, args.gradient_checkpointing)
-        if args.disable_dropout:
-            disable_dropout(policy)
-        # Under PEFT the reference is the same network with its adapters switched off: no copy is needed.
-        self.ref_model = frozen_reference(policy) if args.beta > 0 and not is_peft_model(policy) else None
-
-        super().__init__(
-            model=policy,
-            args=args,
-            data_collator=identity_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=self._processor or tokenizer,  # saved with every checkpoint
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self.model_accepts_loss_kwargs = False
-        check_engine_supported(self.accelerator)
+    def _prepare_frozen_models(self) -> None:
+        """The reference model and reward models, placed (and sharded) like the policy, and sync_ref_model's mixing."""
+        args = self.args
         # Frozen models are sharded like the policy under ZeRO-3 / FSDP2, so they cost no full copy per device.
         micro_batch = args.per_device_train_batch_size
         if self.ref_model is not None:
@@ -278,7 +229,7 @@ class TargetPOTrainer(Trainer):
                     "sync_ref_model=True moves a reference copy towards the policy, but under PEFT the reference is the "
                     "adapter-free base model, not a copy. Set sync_ref_model=False."
                 )
-            if shards_parameters(self.accelerator):
+            if self._sharded:
                 raise ValueError(
                     "sync_ref_model=True is not supported with sharded weights (DeepSpeed ZeRO-3, FSDP2) yet: mixing "
                     "the policy into the reference needs both whole. Use ZeRO-1/2 or DDP, or sync_ref_model=False."
@@ -286,29 +237,30 @@ class TargetPOTrainer(Trainer):
             self.add_callback(OnOptimizerStep(self._mix_policy_into_reference, every=args.ref_model_sync_steps))
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
-        self._tokenizer = tokenizer
-        self.sampling = SamplingSettings.from_config(args, tokenizer, self.accelerator.unwrap_model(self.model))
+    def _set_up_rollouts(self) -> None:
+        """How rollouts are made: the tool loop, prompt encoding, the scheduler and its backend (built now, so a
+        missing server or a bad setting fails before any work), the source, and scoring."""
+        args, tokenizer = self.args, self._tokenizer
         # Token ids a rollout may hold: the tokenizer's, and any the output layer has beyond them (padded vocabularies).
         text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
         self._vocab_size = max(len(tokenizer), getattr(text_config, "vocab_size", None) or 0)
         # Multi-turn rollouts: the tools every prompt shows (an environment's come from a probe instance) and the loop.
         self._tool_schemas = self._environments.tool_schemas if self._environments else self._toolbox.schemas
         self._tool_loop: ToolLoop | None = None
-        if self.tools or self._environments is not None:
+        if self._tool_loop_needed:
             model_type = self.accelerator.unwrap_model(self.model).config.model_type
+            eos_token_ids, pad_token_id = self.sampling.eos_token_ids, self.sampling.pad_token_id
             template = ConversationTemplate(
-                tokenizer, self._tool_schemas, self.sampling.eos_token_ids, args.chat_template_kwargs, model_type
+                tokenizer, self._tool_schemas, eos_token_ids, args.chat_template_kwargs, model_type
             )
             self._tool_loop = ToolLoop(
                 template,
                 args.max_completion_length,
                 args.max_tool_calling_iterations,
-                self.sampling.eos_token_ids,
-                self.sampling.pad_token_id,
+                eos_token_ids,
+                pad_token_id,
                 self._async_runner,
             )
-        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
-        self._sharded = shards_parameters(self.accelerator)
         self._prompt_encoder = PromptEncoder(
             tokenizer,
             self._processor,
@@ -320,69 +272,22 @@ class TargetPOTrainer(Trainer):
             self._failures_reach_every_process,
             images_allowed=self._images_need is None,
         )
-        self._scheduler = RolloutScheduler(self, self._async_runner)
-        self._rollout_source = rollout_source(self)  # text or images, tools or environments, or rollout_func
-        self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
-        self._importance_sampling = args.use_vllm and args.vllm_importance_sampling_correction
-        # The loss: the objective loss_type names, and the regularisers the run switches on. Mixture-of-experts models:
-        # the router's load-balancing loss joins it (TRL's router_aux_loss_coef).
-        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
-        is_moe = getattr(text_config, "output_router_logits", None) is not None
-        self._objective = build_objective(args, self.accelerator, self._group_size, self._local_slice)
-        self._loss = TrainingLoss(
-            self._objective,
-            args,
-            self.accelerator,
-            self.sampling.reshapes_distribution,
-            router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
-        )
-        if args.use_adaptive_entropy:
-            self.add_callback(OnOptimizerStep(self._loss.entropy_bonus.adapt))
-        if self._importance_sampling and self.sampling.reshapes_distribution:
-            # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
-            # their ratio would measure the truncation, not an implementation mismatch.
-            warnings.warn(
-                "vllm_importance_sampling_correction is switched off: sampling is reshaped by "
-                f"{', '.join(self.sampling.reshaping_settings)}; the engine's sampling log-probs include that "
-                "reshaping and the "
-                "trainer's do not, so the weights would shrink every gradient. Sample without them to use the "
-                "correction.",
-                stacklevel=2,
-            )
-            self._importance_sampling = False
-        if args.async_rollouts and not self._importance_sampling:
-            warnings.warn(
-                "async_rollouts=True without the importance-sampling correction: completions sampled by older weights "
-                "are trained on as if the current policy had written them.",
-                stacklevel=2,
-            )
-        self._logps = PolicyLogps.for_model(
-            self.model,
-            self.accelerator.unwrap_model(self.model),
-            self.sampling.temperature,
-            self.sampling.suppressed_token_ids,
-            self.accelerator.device,
-            self._sharded,
-            args.use_liger_kernel,
-            args.logps_chunk_size,
-            rows_per_pass=args.per_device_train_batch_size,
-        )
-
         # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
         # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
         self._generate_every = args.steps_per_generation * args.num_iterations
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0
-        self._lookahead_use = (
-            lookahead_use(self._generate_every, args.gradient_accumulation_steps, args.max_staleness)
-            if args.async_rollouts
-            else None
-        )
-        self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
+        self._lookahead_use = None
+        if args.async_rollouts:
+            self._lookahead_use = lookahead_use(
+                self._generate_every, args.gradient_accumulation_steps, args.max_staleness
+            )
+        self._scheduler = RolloutScheduler(self, self._async_runner)
         if args.async_rollouts:
             self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
+        self._rollout_source = rollout_source(self)  # text or images, tools or environments, or rollout_func
+        self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
         self._rollout_count = 0
-        # Each metric's values since the last log, as a running mean (bounded when nothing logs).
-        self._metrics = MetricsRecorder(self.accelerator)
+        self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
         self._completion_table: RolloutTable | None = None
         self._pushed_rollout: int | None = None  # the last rollout pushed to log_completions_hub_repo
         self._rollout_scorer = RolloutScorer(
@@ -396,9 +301,35 @@ class TargetPOTrainer(Trainer):
             self._sharded,
             self._prompt_encoder.render,
         )
-        # Each process samples its own completions (a group split over processes must not repeat itself), and the
-        # same seed still reproduces the same run.
-        set_seed(args.seed, device_specific=True)
+
+    def _set_up_loss(self) -> None:
+        """The loss: the objective loss_type names, the regularisers the run switches on, and the token log-probs."""
+        args = self.args
+        # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
+        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
+        is_moe = getattr(text_config, "output_router_logits", None) is not None
+        self._objective = build_objective(args, self.accelerator, self._group_size, self._local_slice)
+        self._loss = TrainingLoss(
+            self._objective,
+            args,
+            self.accelerator,
+            self.sampling.reshapes_distribution,
+            router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
+        )
+        if args.use_adaptive_entropy:
+            self.add_callback(OnOptimizerStep(self._loss.entropy_bonus.adapt))
+        self._importance_sampling = importance_sampling_applies(args, self.sampling)
+        self._logps = PolicyLogps.for_model(
+            self.model,
+            self.accelerator.unwrap_model(self.model),
+            self.sampling.temperature,
+            self.sampling.suppressed_token_ids,
+            self.accelerator.device,
+            self._sharded,
+            args.use_liger_kernel,
+            args.logps_chunk_size,
+            rows_per_pass=args.per_device_train_batch_size,
+        )
 
     @property
     def rollout_backend(self) -> RolloutBackend:
@@ -414,17 +345,6 @@ class TargetPOTrainer(Trainer):
         self._scheduler.use_backend(backend)
 
     # ------------------------------------------------------------------------------------------------ data
-    def _check_reward_arguments(self, split: str, columns: set[str], remove_unused_columns: bool) -> None:
-        """Refuse, before any work, a reward function that needs a column the dataset (as rollouts see it) lacks."""
-        source = f"the {split} dataset (its columns: {sorted(columns)})"
-        passed = columns - {"prompt"}  # the prompt arrives as `prompts`
-        if remove_unused_columns:
-            passed &= set(IMAGE_COLUMNS)
-            source += " with remove_unused_columns=True, which keeps only the prompt and the image column"
-        if self._environments is not None:
-            passed.add("environments")
-        self.reward_scorer.check_arguments(passed, source)
-
     def _what_images_need(self) -> str | None:
         """What prompts with images would need that this run lacks; None when they can be trained on."""
         return NEEDS_PROCESSOR if self._processor is None else None
@@ -766,5 +686,3 @@ class TargetPOTrainer(Trainer):
                 )
                 if pushed:  # each rollout once, at its first log; a failed push is tried again at the next log
                     self._pushed_rollout = self._completion_table.rollout
-
-

@@ -297,3 +297,17 @@ class PromptLimit:
             "model's positions. Later cuts are not reported.",
             stacklevel=3,
         )
+
+
+def prepare_policy(policy: nn.Module, args: Any, peft_config: Any = None) -> tuple[nn.Module, nn.Module | None]:
+    """The policy as it trains (fp32 output head, PEFT adapters, no dropout, as ``args`` say) and its frozen reference
+    copy, or None: without a KL term (``beta=0``), or under PEFT, where the reference is the same network with its
+    adapters switched off."""
+    if args.cast_lm_head_to_fp32:  # before the reference is copied from the policy, so it has the same head
+        cast_output_head_to_fp32(policy)
+    if peft_config is not None:
+        policy = apply_peft(policy, peft_config, args.gradient_checkpointing)
+    if args.disable_dropout:
+        disable_dropout(policy)
+    reference = frozen_reference(policy) if args.beta > 0 and not is_peft_model(policy) else None
+    return policy, reference

@@ -1,0 +1,122 @@
+"""What the trainer checks before any work: the config it was given, and every dataset against the run's settings,
+tools and reward functions. Each problem is a ValueError naming what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from .config import GRPOConfig, TargetPOConfig
+from .data import check_streaming_supported, first_row, is_stream, validate_prompt_dataset
+from .modeling.loading import model_identifier
+from .modeling.logps import require_liger
+from .objectives import warn_if_grpo_config_trains_another_loss
+from .rewards import REWARD_ARGUMENTS
+from .vision import IMAGE_COLUMNS
+
+
+def resolve_config(model: Any, args: Any) -> TargetPOConfig:
+    """The run's TargetPOConfig: the one given, one made from a GRPOConfig, or the defaults named after the model."""
+    if args is None:
+        name = model if isinstance(model, str) else model_identifier(model) or "model"
+        return TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
+    if isinstance(args, GRPOConfig) and not isinstance(args, TargetPOConfig):
+        # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
+        # trains the GRPO-family loss it names on this trainer's rollouts.
+        warn_if_grpo_config_trains_another_loss(args)
+        return TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
+    if not isinstance(args, TargetPOConfig):
+        raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")
+    return args
+
+
+def check_run_settings(args: TargetPOConfig, evaluates: bool) -> None:
+    """Settings the trainer cannot honour here: refused before any model is loaded."""
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size is not supported: the batch size fixes how prompt groups map to steps. Set "
+            "per_device_train_batch_size (a multiple of num_generations) instead."
+        )
+    if evaluates:
+        args.check_eval_batch_size()
+    if args.use_liger_kernel:
+        require_liger(args.device)
+    if args.log_completions_hub_repo is not None:
+        from huggingface_hub.constants import HF_HUB_OFFLINE
+
+        if HF_HUB_OFFLINE:
+            raise ValueError(
+                f"log_completions_hub_repo={args.log_completions_hub_repo!r} pushes the completions to the Hugging "
+                "Face Hub, but the Hub is switched off (HF_HUB_OFFLINE=1). Unset log_completions_hub_repo, or run "
+                "with Hub access."
+            )
+
+
+def named_splits(train_dataset: Any, eval_dataset: Any) -> list[tuple[str, Any]]:
+    """``(name, dataset)`` of every dataset given; a dict of evaluation datasets gives one split per name."""
+    named_evals = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+    splits = [("train", train_dataset)] + [
+        ("eval" if name is None else f"eval[{name!r}]", dataset) for name, dataset in named_evals.items()
+    ]
+    return [(split, dataset) for split, dataset in splits if dataset is not None]
+
+
+@dataclasses.dataclass
+class DatasetNeeds:
+    """What the run asks of its datasets' rows."""
+
+    renderer: Any  # the processor or tokenizer that renders the prompts
+    images_need: str | None  # what prompts with images would need that the run lacks; None: they can be trained on
+    multi_turn: bool  # tools or environments: prompts must be conversations
+    has_environments: bool  # reward functions get `environments=`
+    # Refuses a reward function that needs an argument the rollouts do not pass: (the arguments a split's columns
+    # pass, where they come from). None when a rollout_func makes the rollouts (its extra fields are arguments too,
+    # known only once it runs).
+    check_reward_arguments: Callable[[set[str], str], None] | None
+
+
+def check_datasets(args: TargetPOConfig, train_dataset: Any, eval_dataset: Any, needs: DatasetNeeds) -> None:
+    """Every dataset's rows suit the run: prompts, streaming, conversations for tools, columns for the rewards."""
+    splits = named_splits(train_dataset, eval_dataset)
+    for split, dataset in splits:
+        validate_prompt_dataset(dataset, split, needs.renderer, needs.images_need)
+    if any(is_stream(dataset) for _, dataset in splits):
+        check_streaming_supported(args, train_is_stream=is_stream(train_dataset))
+    if needs.multi_turn:
+        for split, dataset in splits:
+            if isinstance(first_row(dataset)["prompt"], str):
+                raise ValueError(
+                    f"Tools and environments need a conversational {split} dataset (prompts as lists of chat "
+                    "messages): the chat template renders the tools and the tool turns. Wrap each prompt as "
+                    "`[{'role': 'user', 'content': prompt}]`."
+                )
+    reserved = REWARD_ARGUMENTS | ({"environments"} if needs.has_environments else set())
+    for split, dataset in splits:
+        columns = set(getattr(dataset, "column_names", None) or first_row(dataset))
+        clashes = reserved & columns
+        if clashes:
+            raise ValueError(
+                f"Dataset column(s) {sorted(clashes)} would collide with the reward-function arguments of the same "
+                "name; rename them (e.g. `dataset.rename_column(...)`)."
+            )
+        if needs.check_reward_arguments is not None:
+            _check_reward_columns(split, columns, args.remove_unused_columns, needs)
+    prompts_per_rollout = args.generation_batch_size // args.num_generations
+    if train_dataset is not None and not is_stream(train_dataset) and len(train_dataset) < prompts_per_rollout:
+        raise ValueError(
+            f"The train dataset has {len(train_dataset)} prompts but one rollout needs "
+            f"generation_batch_size // num_generations = {prompts_per_rollout}."
+        )
+
+
+def _check_reward_columns(split: str, columns: set[str], remove_unused_columns: bool, needs: DatasetNeeds) -> None:
+    """Refuse a reward function that needs a column the dataset (as rollouts see it) lacks."""
+    source = f"the {split} dataset (its columns: {sorted(columns)})"
+    passed = columns - {"prompt"}  # the prompt arrives as `prompts`
+    if remove_unused_columns:
+        passed &= set(IMAGE_COLUMNS)
+        source += " with remove_unused_columns=True, which keeps only the prompt and the image column"
+    if needs.has_environments:
+        passed.add("environments")
+    needs.check_reward_arguments(passed, source)
