@@ -15,7 +15,7 @@ For one group with scores ``s``, rollout-time sequence log-probs ``l_old`` and c
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,6 +23,8 @@ __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "POLICY_GRADIENT_LOSSES",
     "SCALE_REWARDS",
+    "RolloutDiagnostics",
+    "TargetDiagnostics",
     "aggregate_policy_loss",
     "clip_fractions",
     "decoupled_advantages",
@@ -668,27 +670,41 @@ def scale_token_gradients(per_token_logps: torch.Tensor, weights: torch.Tensor) 
     return per_token_logps + (weights - 1) * (per_token_logps - per_token_logps.detach())
 
 
+class RolloutDiagnostics(NamedTuple):
+    """Summary statistics of a rollout's scores, as 0-d tensors."""
+
+    reward: torch.Tensor  # mean score over every completion sampled (invalid ones included: they were scored)
+    # Mean, over groups with a valid member, of the population std of the group's valid scores: the spread the
+    # whitening into u divides by; NaN when no group has a valid member.
+    reward_std: torch.Tensor
+    informative_group_fraction: torch.Tensor  # fraction of groups whose valid scores vary (informative_groups)
+
+
 def rollout_diagnostics(
     scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """Summary statistics of a rollout's scores, as 0-d tensors.
-
-    * ``reward``: mean score over every completion sampled (invalid ones included: they were sampled and scored).
-    * ``reward_std``: mean, over groups with a valid member, of the population std of the group's valid scores —
-      the spread the whitening into ``u`` divides by; NaN when no group has a valid member.
-    * ``informative_group_fraction``: fraction of groups whose valid scores vary (see :func:`informative_groups`).
-    """
+) -> RolloutDiagnostics:
+    """Summary statistics of a rollout's scores (:class:`RolloutDiagnostics`)."""
     grouped = _group(_as_float(scores.detach()), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
     count, deviation = _deviations_from_group_mean(grouped, valid)
     variance = (deviation.square().sum(dim=-1, keepdim=True) / count).squeeze(-1)
     has_valid = valid.any(dim=-1)
     nan = torch.tensor(float("nan"), dtype=grouped.dtype, device=grouped.device)
-    return {
-        "reward": grouped.mean(),
-        "reward_std": variance.sqrt()[has_valid].mean() if has_valid.any() else nan,
-        "informative_group_fraction": _informative_groups(grouped, valid).float().mean(),
-    }
+    return RolloutDiagnostics(
+        reward=grouped.mean(),
+        reward_std=variance.sqrt()[has_valid].mean() if has_valid.any() else nan,
+        informative_group_fraction=_informative_groups(grouped, valid).float().mean(),
+    )
+
+
+class TargetDiagnostics(NamedTuple):
+    """The paper's diagnostics of a batch of targets, as 0-d tensors."""
+
+    target_entropy: torch.Tensor  # mean entropy of q over groups with a valid member
+    informative_group_fraction: torch.Tensor  # fraction of groups whose valid raw scores vary
+    # Mean, over informative groups, of the target mass on the group's highest-scoring completions (ties share it);
+    # NaN when no group is informative.
+    best_completion_target_mass: torch.Tensor
 
 
 def tpo_target_diagnostics(
@@ -696,14 +712,8 @@ def tpo_target_diagnostics(
     scores: torch.Tensor,
     num_generations: int,
     valid_mask: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The paper's diagnostics of a batch of targets, as 0-d tensors.
-
-    * ``target_entropy``: mean entropy of ``q`` over groups with a valid member.
-    * ``informative_group_fraction``: fraction of groups whose valid raw scores vary.
-    * ``best_completion_target_mass``: mean, over informative groups, of the target mass on the group's
-      highest-scoring completions (ties share it); NaN when no group is informative.
-    """
+) -> TargetDiagnostics:
+    """The paper's diagnostics of a batch of targets (:class:`TargetDiagnostics`)."""
     q = _group(_as_float(targets.detach()), num_generations, "targets")
     raw = _group(_as_float(scores.detach()), num_generations, "scores")
     valid = _group_valid(valid_mask, targets, num_generations)
@@ -715,8 +725,8 @@ def tpo_target_diagnostics(
     )
     best_mass = (q * (valid & (raw == best_score))).sum(dim=-1)
     nan = torch.tensor(float("nan"), device=q.device)
-    return {
-        "target_entropy": entropy[has_valid].mean() if has_valid.any() else nan,
-        "informative_group_fraction": informative.float().mean(),
-        "best_completion_target_mass": best_mass[informative].mean() if informative.any() else nan,
-    }
+    return TargetDiagnostics(
+        target_entropy=entropy[has_valid].mean() if has_valid.any() else nan,
+        informative_group_fraction=informative.float().mean(),
+        best_completion_target_mass=best_mass[informative].mean() if informative.any() else nan,
+    )

@@ -128,7 +128,7 @@ def record_targets(
     )
     diagnostics = F.tpo_target_diagnostics(targets, scores, group_size, valid)
     for name in ("target_entropy", "best_completion_target_mass"):  # informative fraction: at rollout
-        value = diagnostics[name].item()
+        value = getattr(diagnostics, name).item()
         if not math.isnan(value):
             recorder.add(mode, f"tpo/{name}", value)
     return sample_index[built], targets[built]

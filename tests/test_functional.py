@@ -295,10 +295,10 @@ def test_target_diagnostics_closed_form():
     scores = t([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 2.0, 2.0])
     d = F.tpo_target_diagnostics(q, scores, 3)
     entropies = [math.log(2), -(0.9 * math.log(0.9) + 0.1 * math.log(0.1)), math.log(3)]
-    assert d["target_entropy"].item() == pytest.approx(sum(entropies) / 3, rel=1e-9)
-    assert d["informative_group_fraction"].item() == pytest.approx(2 / 3)
+    assert d.target_entropy.item() == pytest.approx(sum(entropies) / 3, rel=1e-9)
+    assert d.informative_group_fraction.item() == pytest.approx(2 / 3)
     # Best completions: the two tied 1.0s in group 1 (mass 1.0) and the 1.0 in group 2 (mass 0.9).
-    assert d["best_completion_target_mass"].item() == pytest.approx((1.0 + 0.9) / 2)
+    assert d.best_completion_target_mass.item() == pytest.approx((1.0 + 0.9) / 2)
     assert torch.equal(F.informative_groups(scores, 3), torch.tensor([True, True, False]))
 
 
@@ -308,11 +308,11 @@ def test_rollout_diagnostics_closed_form():
     scores = t([1.0, 3.0, 100.0, 5.0, 2.0, 2.0, 2.0, 2.0, 7.0, 4.0, 0.0, 9.0, 6.0, 6.0, 1.0, 1.0])
     valid = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
     d = F.rollout_diagnostics(scores, 4, valid)
-    assert d["reward"].item() == pytest.approx(sum(scores.tolist()) / 16)  # every sampled completion
+    assert d.reward.item() == pytest.approx(sum(scores.tolist()) / 16)  # every sampled completion
     # Population std over the valid members, as the whitening uses: sqrt(8/3), 0 and 2.
-    assert d["reward_std"].item() == pytest.approx((math.sqrt(8 / 3) + 0.0 + 2.0) / 3, rel=1e-12)
-    assert d["informative_group_fraction"].item() == pytest.approx(2 / 4)
-    assert math.isnan(F.rollout_diagnostics(scores, 4, torch.zeros(16, dtype=torch.bool))["reward_std"].item())
+    assert d.reward_std.item() == pytest.approx((math.sqrt(8 / 3) + 0.0 + 2.0) / 3, rel=1e-12)
+    assert d.informative_group_fraction.item() == pytest.approx(2 / 4)
+    assert math.isnan(F.rollout_diagnostics(scores, 4, torch.zeros(16, dtype=torch.bool)).reward_std.item())
 
 
 def test_huge_scores_do_not_overflow():

@@ -173,7 +173,7 @@ class RolloutScorer:
                 metrics[f"rewards/{name}/std"].append(scored_values.std(unbiased=False).item())
         diagnostics = F.rollout_diagnostics(scored.scores_all, group_size, scored.valid_all)
         for name, logged_as in ROLLOUT_DIAGNOSTICS.items():
-            value = diagnostics[name].item()
+            value = getattr(diagnostics, name).item()
             if not math.isnan(value):  # reward_std has none when no completion is valid
                 metrics[logged_as].append(value)
 
