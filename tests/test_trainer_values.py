@@ -690,3 +690,52 @@ def test_importance_weights_come_from_the_rollouts_policy_in_every_epoch(tmp_pat
                 moved, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
             assert ((moved - rollout_logps).abs() * mask).max() > 0.05
     assert trainer._metrics["train"]["vllm/importance_weight_mean"].count == 1
+
+
+def test_importance_weights_of_a_step_batch_first_used_after_the_weights_moved_come_from_the_rollouts_policy(
+    tmp_path, tokenizer
+):
+    """steps_per_generation=2: the rollout's second step batch is first used after an optimiser step. Its importance
+    weights are still ``min(p_old / p_sampler, cap)`` with p_old the rollout's policy, not the moved one."""
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
+    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), steps_per_generation=2,
+                       vllm_importance_sampling_cap=1.5, skip_zero_gradient_completions=False)
+    trainer = TargetPOTrainer(
+        model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
+    )
+    trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
+    trainer.model.train()
+    uses = iter(trainer.get_train_dataloader())
+    first = trainer._prepare_inputs(next(uses))
+    second = trainer._prepare_inputs(next(uses))  # the same rollout's other step batch
+    inputs = (second["prompt_ids"], second["prompt_mask"], second["completion_ids"], second["completion_attention_mask"])
+    mask = second["completion_mask"].float()
+    valid = mask.any(dim=1)
+    with torch.no_grad():
+        rollout_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
+    offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
+    second["sampler_per_token_logps"] = (rollout_logps + offsets) * mask
+    u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
+        [ids[: int(n)] for ids, n in zip(second["completion_ids"], second["completion_attention_mask"].sum(1))],
+        skip_special_tokens=True,
+    )), valid, 4)
+    q = ref.targets(ref.sequence_logps(rollout_logps, mask, True), u, valid, 4, 1.0)
+    model.zero_grad()
+    trainer.compute_loss(model, first).backward()
+    with torch.no_grad():  # the optimiser step between the two step batches
+        for param in model.parameters():
+            param -= 2.0 * param.grad
+        moved, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
+    assert ((moved - rollout_logps).abs() * mask).max() > 0.05
+    model.zero_grad()
+    trainer.compute_loss(model, second).backward()
+    hand = copy.deepcopy(model)
+    hand.zero_grad()
+    logps, _ = ref.token_logps(hand, *inputs, 1.0, suppressed_ids(args))
+    weights = torch.exp(-offsets).clamp(max=1.5)
+    weighted = logps.detach() + weights * (logps - logps.detach())
+    ref.tpo_loss(ref.sequence_logps(weighted, mask, True), q, valid, 4).backward()
+    for name, param in hand.named_parameters():
+        torch.testing.assert_close(
+            model.get_parameter(name).grad, param.grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
