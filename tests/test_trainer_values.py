@@ -645,50 +645,82 @@ def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer, sett
     assert metrics["vllm/importance_weight_capped_fraction"] == [pytest.approx(outside.float().mean().item())]
 
 
-def test_importance_weights_come_from_the_rollouts_policy_in_every_epoch(tmp_path, tokenizer):
-    """With num_iterations=2 the second epoch over a step batch, after the weights moved, still weights each token's
-    gradient by ``min(p_old / p_sampler, cap)``, p_old the rollout's policy (the one q is built from), not the moved
-    one; the weights are computed once per step batch, so their metrics are recorded once."""
+def importance_sampling_trainer(tmp_path, tokenizer, **overrides):
+    """A TPO trainer on the tiny model whose rollouts carry the sampler log-probs a test sets (as vLLM's would)."""
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
-    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), num_iterations=2,
-                       vllm_importance_sampling_cap=1.5, skip_zero_gradient_completions=False)
+    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), vllm_importance_sampling_cap=1.5,
+                       skip_zero_gradient_completions=False, **overrides)
     trainer = TargetPOTrainer(
         model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
     )
     trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
     trainer.model.train()
+    return model, args, trainer
+
+
+@dataclass
+class SampledElsewhere:
+    """A step batch whose sampler log-probs are set to the rollout policy's plus known offsets, and its hand-built q."""
+
+    inputs: tuple
+    mask: torch.Tensor
+    valid: torch.Tensor
+    rollout_logps: torch.Tensor
+    offsets: torch.Tensor
+    q: torch.Tensor
+
+    @classmethod
+    def set_on(cls, batch, trainer, model, args):
+        inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_attention_mask"])
+        mask = batch["completion_mask"].float()
+        valid = mask.any(dim=1)
+        with torch.no_grad():
+            rollout_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
+        offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
+        batch["sampler_per_token_logps"] = (rollout_logps + offsets) * mask
+        u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
+            [ids[: int(n)] for ids, n in zip(batch["completion_ids"], batch["completion_attention_mask"].sum(1))],
+            skip_special_tokens=True,
+        )), valid, 4)
+        q = ref.targets(ref.sequence_logps(rollout_logps, mask, True), u, valid, 4, 1.0)
+        return cls(inputs, mask, valid, rollout_logps, offsets, q)
+
+    def hand_gradients(self, model, args):
+        """The gradient with each token weighted by ``min(p_rollout / p_sampler, 1.5)`` at the model's weights."""
+        hand = copy.deepcopy(model)
+        hand.zero_grad()
+        logps, _ = ref.token_logps(hand, *self.inputs, 1.0, suppressed_ids(args))
+        weights = torch.exp(-self.offsets).clamp(max=1.5)
+        weighted = logps.detach() + weights * (logps - logps.detach())
+        ref.tpo_loss(ref.sequence_logps(weighted, self.mask, True), self.q, self.valid, 4).backward()
+        return {name: param.grad for name, param in hand.named_parameters()}
+
+    def sgd_step(self, model, args):
+        """Move the weights by their gradients (learning rate 2), far enough to move the token log-probs measurably."""
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= 2.0 * param.grad
+            moved, _ = ref.token_logps(copy.deepcopy(model), *self.inputs, 1.0, suppressed_ids(args))
+        assert ((moved - self.rollout_logps).abs() * self.mask).max() > 0.05
+
+
+def test_importance_weights_come_from_the_rollouts_policy_in_every_epoch(tmp_path, tokenizer):
+    """With num_iterations=2 the second epoch over a step batch, after the weights moved, still weights each token's
+    gradient by ``min(p_old / p_sampler, cap)``, p_old the rollout's policy (the one q is built from), not the moved
+    one; the weights are computed once per step batch, so their metrics are recorded once."""
+    model, args, trainer = importance_sampling_trainer(tmp_path, tokenizer, num_iterations=2)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_attention_mask"])
-    mask = batch["completion_mask"].float()
-    valid = mask.any(dim=1)
-    with torch.no_grad():
-        rollout_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
-    offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
-    batch["sampler_per_token_logps"] = (rollout_logps + offsets) * mask
-    weights = torch.exp(-offsets).clamp(max=1.5)
-    u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
-        [ids[: int(n)] for ids, n in zip(batch["completion_ids"], batch["completion_attention_mask"].sum(1))],
-        skip_special_tokens=True,
-    )), valid, 4)
-    q = ref.targets(ref.sequence_logps(rollout_logps, mask, True), u, valid, 4, 1.0)
+    sampled = SampledElsewhere.set_on(batch, trainer, model, args)
     for epoch in range(2):
         model.zero_grad()
         trainer.compute_loss(model, batch).backward()
         got = {name: param.grad.clone() for name, param in model.named_parameters()}
-        hand = copy.deepcopy(model)
-        hand.zero_grad()
-        logps, _ = ref.token_logps(hand, *inputs, 1.0, suppressed_ids(args))
-        weighted = logps.detach() + weights * (logps - logps.detach())
-        ref.tpo_loss(ref.sequence_logps(weighted, mask, True), q, valid, 4).backward()
+        expected = sampled.hand_gradients(model, args)
         assert any(grad.abs().max() > 1e-4 for grad in got.values())
-        for name, param in hand.named_parameters():
-            torch.testing.assert_close(got[name], param.grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
         if epoch == 0:  # an SGD step between the epochs; the policy's token log-probs move measurably
-            with torch.no_grad():
-                for param in model.parameters():
-                    param -= 2.0 * param.grad
-                moved, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
-            assert ((moved - rollout_logps).abs() * mask).max() > 0.05
+            sampled.sgd_step(model, args)
     assert trainer._metrics["train"]["vllm/importance_weight_mean"].count == 1
 
 
@@ -697,45 +729,17 @@ def test_importance_weights_of_a_step_batch_first_used_after_the_weights_moved_c
 ):
     """steps_per_generation=2: the rollout's second step batch is first used after an optimiser step. Its importance
     weights are still ``min(p_old / p_sampler, cap)`` with p_old the rollout's policy, not the moved one."""
-    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
-    args = make_config(tmp_path, generation_kwargs=few_letters(tokenizer), steps_per_generation=2,
-                       vllm_importance_sampling_cap=1.5, skip_zero_gradient_completions=False)
-    trainer = TargetPOTrainer(
-        model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
-    )
-    trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
-    trainer.model.train()
+    model, args, trainer = importance_sampling_trainer(tmp_path, tokenizer, steps_per_generation=2)
     uses = iter(trainer.get_train_dataloader())
     first = trainer._prepare_inputs(next(uses))
     second = trainer._prepare_inputs(next(uses))  # the same rollout's other step batch
-    inputs = (second["prompt_ids"], second["prompt_mask"], second["completion_ids"], second["completion_attention_mask"])
-    mask = second["completion_mask"].float()
-    valid = mask.any(dim=1)
-    with torch.no_grad():
-        rollout_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
-    offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
-    second["sampler_per_token_logps"] = (rollout_logps + offsets) * mask
-    u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
-        [ids[: int(n)] for ids, n in zip(second["completion_ids"], second["completion_attention_mask"].sum(1))],
-        skip_special_tokens=True,
-    )), valid, 4)
-    q = ref.targets(ref.sequence_logps(rollout_logps, mask, True), u, valid, 4, 1.0)
+    sampled = SampledElsewhere.set_on(second, trainer, model, args)
     model.zero_grad()
     trainer.compute_loss(model, first).backward()
-    with torch.no_grad():  # the optimiser step between the two step batches
-        for param in model.parameters():
-            param -= 2.0 * param.grad
-        moved, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
-    assert ((moved - rollout_logps).abs() * mask).max() > 0.05
+    sampled.sgd_step(model, args)  # the optimiser step between the two step batches
     model.zero_grad()
     trainer.compute_loss(model, second).backward()
-    hand = copy.deepcopy(model)
-    hand.zero_grad()
-    logps, _ = ref.token_logps(hand, *inputs, 1.0, suppressed_ids(args))
-    weights = torch.exp(-offsets).clamp(max=1.5)
-    weighted = logps.detach() + weights * (logps - logps.detach())
-    ref.tpo_loss(ref.sequence_logps(weighted, mask, True), q, valid, 4).backward()
-    for name, param in hand.named_parameters():
+    for name, grad in sampled.hand_gradients(model, args).items():
         torch.testing.assert_close(
-            model.get_parameter(name).grad, param.grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+            model.get_parameter(name).grad, grad, atol=1e-7, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
         )
