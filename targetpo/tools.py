@@ -229,6 +229,7 @@ class ConversationTemplate:
         self.tokenizer = tokenizer
         self.schemas = schemas
         self.template_kwargs = dict(chat_template_kwargs or {})
+        self._family = repr(model_type) if model_type else "policy's"
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "Tools need a chat template that renders them: the tokenizer has none. Set `tokenizer.chat_template`."
@@ -271,38 +272,46 @@ class ConversationTemplate:
         """The tokens after the model's end-of-turn token up to the start of its next turn: the rest of the template's
         assistant turn, the tool messages and the next assistant header.
 
-        Rendered after a stand-in exchange rather than the real conversation, so that a template which rewrites
-        earlier turns (e.g. drops old reasoning) cannot change tokens the model already wrote.
+        Rendered after a stand-in exchange rather than the real conversation, and cut where the stand-in assistant's
+        turn ends, so that nothing the model wrote is rendered again: a template that rewrites earlier assistant turns
+        (Qwen3 drops their reasoning and writes an empty think block only on the last one) cannot change the tokens
+        the model is trained on.
         """
-        before, after = self._stand_in(tool_messages)
-        return self.tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self._tool_turn_after(_STAND_IN, tool_messages), add_special_tokens=False)["input_ids"]
 
-    def _stand_in(self, tool_messages: list[dict[str, Any]]) -> tuple[str, str]:
-        """The stand-in exchange cut after its end-of-turn token, and the same exchange followed by the tool turn."""
+    def _tool_turn_after(self, content: str, tool_messages: list[dict[str, Any]]) -> str:
+        """The text after a stand-in assistant turn (writing ``content`` and a call) up to the next assistant header.
+
+        The assistant's turn, from its content (or, for a template that writes only the call, from the start) to its
+        end-of-turn token, must render the same alone and with tool messages after it: the model writes it itself."""
         name = self.schemas[0]["function"]["name"] if self.schemas else "tool"
         exchange = [
             {"role": "user", "content": "x"},
-            {"role": "assistant", "content": "", "tool_calls": [_call(name)]},
+            {"role": "assistant", "content": content, "tool_calls": [_call(name)]},
         ]
-        before = self.render(exchange, add_generation_prompt=False)
-        end = max((before.rfind(eos) + len(eos) for eos in self.eos_texts if eos and eos in before), default=-1)
-        if end >= 0:
-            before = before[:end]
-        after = self.render(exchange + tool_messages, add_generation_prompt=True)
-        if not after.startswith(before):
+        alone = self.render(exchange, add_generation_prompt=False)
+        followed = self.render(exchange + tool_messages, add_generation_prompt=True)
+        start, start_followed = (alone.find(_STAND_IN), followed.find(_STAND_IN)) if _STAND_IN in alone else (0, 0)
+        # The assistant's turn is the last one `alone` renders: its end-of-turn token is the last in the text.
+        ends = [alone.rfind(eos) + len(eos) for eos in self.eos_texts if eos and eos in alone[start:]]
+        turn = alone[start : max(ends, default=len(alone))]
+        if start_followed < 0 or not followed.startswith(turn, start_followed):
             raise ValueError(
-                "The chat template renders an assistant turn differently once tool messages follow it, so the tokens "
-                "the model wrote would not match the conversation it is trained on. Use a template that renders "
-                "earlier messages the same whatever follows them."
+                f"The chat template of this {self._family} model renders an assistant turn differently once tool "
+                "messages follow it (its text or its end-of-turn token change), so the tokens the model wrote would "
+                "not match the conversation it is trained on. Set `tokenizer.chat_template` to a template that "
+                "renders an assistant turn the same whatever follows it, or write your own loop with `rollout_func`."
             )
-        return before, after
+        return followed[start_followed + len(turn) :]
 
     def _check_renders_tools(self) -> None:
-        """Refuse, before any work, a template that cannot render a tool exchange."""
+        """Refuse, before any work, a template that cannot render a tool exchange, or whose tool turn cannot be cut
+        from what the model wrote (the assistant turn changes once tools follow it, or the tool turn depends on it)."""
         if not self.schemas:
             return
+        probe = [tool_message(self.schemas[0]["function"]["name"], "ok")]
         try:
-            self._stand_in([tool_message(self.schemas[0]["function"]["name"], "ok")])
+            turns = {self._tool_turn_after(content, probe) for content in _STAND_IN_TURNS}
         except ValueError:
             raise
         except Exception as error:  # jinja errors: the template does not know tool calls or tool messages
@@ -310,6 +319,13 @@ class ConversationTemplate:
                 f"The chat template cannot render a tool exchange (user, assistant with tool_calls, tool): {error}. "
                 "Use a chat template that supports tools."
             ) from error
+        if len(turns) > 1:
+            raise ValueError(
+                f"The chat template of this {self._family} model writes the tool messages differently depending on "
+                "what the assistant wrote before them, so the tool turn cannot be rendered apart from the model's "
+                "tokens. Set `tokenizer.chat_template` to a template whose tool messages do not depend on earlier "
+                "assistant text, or write your own loop with `rollout_func`."
+            )
 
 
 def response_template(
@@ -353,6 +369,13 @@ def generation_prompt(tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
     without = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
     with_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
     return with_prompt[len(without) :] if with_prompt.startswith(without) else with_prompt
+
+
+#: What the stand-in assistant turn writes before its call, in two forms: the tool turn after it must be the same for
+#: both (checked once, when the template is built), so that it depends on nothing the model writes (reasoning
+#: templates render a turn with a think block differently from one without).
+_STAND_IN = "(stand-in turn)"
+_STAND_IN_TURNS = (_STAND_IN, f"<think>\nreasoning\n</think>\n\n{_STAND_IN}")
 
 
 def _call(name: str) -> dict[str, Any]:
