@@ -10,6 +10,7 @@ from transformers import HfArgumentParser
 from targetpo import GRPOConfig, TargetPOConfig
 from targetpo.config import OneOf, Range, field_rules
 from targetpo.generation.sampling import SamplingSettings, resolve_generation_kwargs
+from targetpo.regularisers import importance_sampling_applies
 
 
 def config(tmp_path, **kwargs):
@@ -247,13 +248,29 @@ def test_sampling_settings_that_contradict_each_other_or_the_trainer_are_refused
     ],
 )
 def test_every_setting_that_reshapes_sampling_is_named(tmp_path, use_vllm, generation_kwargs, reshaped_by):
-    resolved = resolve_generation_kwargs(config(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs))
-    fields = {key: value for key, value in resolved._asdict().items() if key != "stop_token_ids"}
-    settings = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, **fields)
+    settings = resolved_settings(config(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs))
     assert settings.reshaping_settings == reshaped_by
     assert settings.reshapes_distribution == bool(reshaped_by)
     typed = SamplingSettings(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, top_p=0.9, repetition_penalty=1.1)
     assert typed.reshaping_settings == ("top_p", "repetition_penalty")
+
+
+def resolved_settings(args):
+    """The run's sampling settings as the trainer resolves them (a tokenizer with EOS 1 and padding 0)."""
+    resolved = resolve_generation_kwargs(args)
+    fields = {key: value for key, value in resolved._asdict().items() if key != "stop_token_ids"}
+    return SamplingSettings(max_new_tokens=args.max_completion_length, eos_token_ids=(1,), pad_token_id=0, **fields)
+
+
+def test_the_importance_sampling_correction_is_switched_off_by_any_reshaping_setting(tmp_path):
+    """The switch reads the resolved settings: a generation_kwargs temperature keeps the correction, a
+    generation_kwargs top_k or penalty switches it off, saying why (no engine is needed to decide)."""
+    tempered = config(tmp_path, use_vllm=True, generation_kwargs={"temperature": 0.7})
+    assert importance_sampling_applies(tempered, resolved_settings(tempered))
+    for generation_kwargs in ({"top_k": 5}, {"presence_penalty": 0.5}):
+        args = config(tmp_path, use_vllm=True, generation_kwargs=generation_kwargs)
+        with pytest.warns(UserWarning, match=r"correction is switched off: sampling is reshaped by generation_kwargs"):
+            assert not importance_sampling_applies(args, resolved_settings(args))
 
 
 # ------------------------------------------------------------------------------------------- ranges and choices as data

