@@ -335,15 +335,16 @@ DEPENDENT_FLAGS = {
     "use_peft": ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
                  "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"),
     "load_in_4bit": ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"),
+    "use_vllm": tuple(spec.name for spec in dataclasses.fields(TargetPOConfig) if spec.name.startswith("vllm_")),
 }
 
 
-def ignored_flag_warnings(model_args: ModelArguments, passed: set[str]) -> list[str]:
+def ignored_flag_warnings(model_args: ModelArguments, training_args: TargetPOConfig, passed: set[str]) -> list[str]:
     """A warning for each group of flags passed without the switch they need (ignored then, as in TRL)."""
     messages = []
     for switch, names in DEPENDENT_FLAGS.items():
         unused = [f"--{name}" for name in names if name in passed]
-        if unused and not getattr(model_args, switch):
+        if unused and not getattr(model_args, switch, None) and not getattr(training_args, switch, None):
             messages.append(f"{', '.join(unused)} ignored: they configure --{switch}, which is off. Pass --{switch}.")
     return messages
 
@@ -655,7 +656,7 @@ def build_trainer(argv: list[str]) -> TargetPOTrainer:
         problems += streaming_problems(training_args)
     if problems:
         raise SystemExit("error: " + "\nerror: ".join(problems))
-    for message in ignored_flag_warnings(model_args, passed):
+    for message in ignored_flag_warnings(model_args, training_args, passed):
         warnings.warn(message, stacklevel=2)
     peft_config = lora_config(model_args)
     reward_funcs = [BUILTIN_REWARDS.get(name, name) for name in names or []]

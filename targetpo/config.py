@@ -635,6 +635,7 @@ class GRPOConfig(TrainingArguments):
         check_field_values(self)
         self._check_combinations()
         self._warn_about_loss_settings()
+        self._warn_about_unused_vllm_settings()
         self._resolve_batch_layout()
 
     def _check_output_dir(self) -> None:
@@ -690,6 +691,23 @@ class GRPOConfig(TrainingArguments):
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a dict, got {type(value).__name__}.")
+
+    def _warn_about_unused_vllm_settings(self) -> None:
+        """Name the vLLM settings a run without vLLM leaves unused (e.g. a server's address with use_vllm=False)."""
+        if self.use_vllm:
+            return
+        unused = [
+            f"{spec.name}={getattr(self, spec.name)!r}"
+            for spec in dataclasses.fields(self)
+            if spec.name.startswith("vllm_") and spec.init and getattr(self, spec.name) != spec.default
+        ]
+        if unused:
+            warnings.warn(
+                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with use_vllm=False: rollouts "
+                "are generated with model.generate. Set use_vllm=True to generate with vLLM.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _warn_about_loss_settings(self) -> None:
         """Warn about loss settings that have no effect on the chosen loss, or work against it."""

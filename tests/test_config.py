@@ -255,6 +255,16 @@ def test_every_setting_that_reshapes_sampling_is_named(tmp_path, use_vllm, gener
     assert typed.reshaping_settings == ("top_p", "repetition_penalty")
 
 
+def test_vllm_settings_a_run_without_vllm_leaves_unused_are_named(tmp_path):
+    with pytest.warns(UserWarning, match=r"^vllm_server_port=8001, vllm_gpu_memory_utilization=0.5 have no effect with "
+                                         r"use_vllm=False"):
+        config(tmp_path, vllm_server_port=8001, vllm_gpu_memory_utilization=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config(tmp_path, use_vllm=True, vllm_server_port=8001)  # used
+        config(tmp_path)  # nothing set
+
+
 def resolved_settings(args):
     """The run's sampling settings as the trainer resolves them (a tokenizer with EOS 1 and padding 0)."""
     resolved = resolve_generation_kwargs(args)

@@ -386,6 +386,14 @@ def test_lora_flags_without_use_peft_are_ignored_with_a_warning(tmp_path):
     assert not isinstance(trainer.model, PeftModel)
 
 
+def test_vllm_flags_without_use_vllm_are_named_in_a_warning_even_at_their_defaults(tmp_path):
+    example = load_example()
+    flags = ["--vllm_mode", "server", "--vllm_server_port", "8000", "--output_dir", str(tmp_path)]  # both defaults
+    with pytest.warns(UserWarning, match=r"--vllm_mode, --vllm_server_port ignored: they configure --use_vllm"):
+        trainer = example.build_trainer([*QUICK, *flags])
+    assert not trainer.args.use_vllm
+
+
 def test_help_opens_with_what_the_script_does_and_three_example_commands(tmp_path):
     example = load_example()
     text = example.build_parser().format_help()
