@@ -411,16 +411,25 @@ def check_multi_turn_arguments(
         )
 
 
-class EnvironmentReward:
-    """The reward function an environment with ``get_reward()`` brings: each sample's environment scores it (an
-    ``async`` get_reward runs on ``runner``, all samples at once)."""
+#: The dataset column that names each row's environment when ``environment_factory`` is a dict of factories.
+ENVIRONMENT_COLUMN = "environment"
 
-    def __init__(self, name: str, runner: AsyncRunner):
+
+class EnvironmentReward:
+    """The reward function an environment with ``get_reward()`` brings: each sample's environment scores it, or with
+    ``kind`` (several environments) only those of that class, the others getting None (an ``async`` get_reward runs on
+    ``runner``, all samples at once)."""
+
+    def __init__(self, name: str, runner: AsyncRunner, kind: type | None = None):
         self.__name__ = name
+        self.kind = kind
         self.runner = runner
 
     def __call__(self, environments: Sequence[Any], **kwargs: Any) -> list[float | None]:
-        rewards = [environment.get_reward() for environment in environments]
+        rewards = [
+            environment.get_reward() if self.kind is None or type(environment) is self.kind else None
+            for environment in environments
+        ]
         waiting = [index for index, reward in enumerate(rewards) if inspect.isawaitable(reward)]
         if waiting:
             results = self.runner.run([rewards[index] for index in waiting])
@@ -432,55 +441,98 @@ class EnvironmentReward:
 
 
 class EnvironmentPool:
-    """The environments of a rollout, one per sample: built by the factory once and reset for every rollout that
+    """The environments of a rollout, one per sample: built by their factory once and reset for every rollout that
     needs them ("construct once, reset often"), so a costly environment is not rebuilt each step.
 
-    A probe instance, built when the trainer is, is checked and gives the tools every prompt shows and, if it has
-    ``get_reward()``, the reward function :attr:`reward`.
+    ``factory`` is one callable, or a dict of them by name; then each row's ``environment`` column names its
+    environment, and its prompt shows that environment's tools alone. A probe instance of each, built when the trainer
+    is, is checked and gives its tools; each class with ``get_reward()`` brings a reward function (:attr:`rewards`).
     """
 
     def __init__(self, factory: Any, tools: Sequence[Callable], runner: AsyncRunner):
-        if isinstance(factory, dict):
-            raise ValueError(
-                "A dict of environment factories (one environment per sample, chosen by an `environment` column) is "
-                "not supported: pass one factory, and let it choose its behaviour from the row in reset(**row)."
-            )
-        if not callable(factory):
-            raise TypeError(
-                f"environment_factory must be a callable that returns a new environment (e.g. the class), got "
-                f"{factory!r}."
-            )
-        probe = factory()
-        if not callable(getattr(probe, "reset", None)):
-            raise ValueError(
-                f"The environment {type(probe).__name__} has no reset() method: each sample's environment is started "
-                "with reset(**row), the dataset row's columns as keyword arguments."
-            )
-        self.factory = factory
+        self.named = isinstance(factory, dict)
+        factories = factory if self.named else {None: factory}
+        if not factories:
+            raise ValueError("environment_factory is an empty dict: give at least one name and factory.")
         self.tools = list(tools)
-        self.tool_schemas = Toolbox(self.tools + environment_tools(probe)).schemas
-        has_reward = callable(getattr(probe, "get_reward", None))
-        self.reward = EnvironmentReward(type(probe).__name__, runner) if has_reward else None
-        self._pool: list[tuple[Any, Toolbox]] = []
-        self._add(probe)
+        self.factories: dict[str | None, Callable[[], Any]] = {}
+        self._pools: dict[str | None, list[tuple[Any, Toolbox]]] = {}
+        self.rewards: list[EnvironmentReward] = []
+        schemas: dict[str, dict[str, Any]] = {}
+        kinds_with_reward: list[type] = []
+        for name, make in factories.items():
+            probe = _probe_environment(name, make)
+            self.factories[name], self._pools[name] = make, []
+            toolbox = self._add(name, probe)
+            for schema in toolbox.schemas:  # every tool any environment shows, for reading the model's calls
+                schemas.setdefault(schema["function"]["name"], schema)
+            kind = type(probe)
+            if callable(getattr(probe, "get_reward", None)) and kind not in kinds_with_reward:
+                kinds_with_reward.append(kind)  # one reward per class, even named twice
+                self.rewards.append(EnvironmentReward(kind.__name__, runner, kind if self.named else None))
+        self.tool_schemas = list(schemas.values())
 
-    def _add(self, environment: Any) -> None:
-        self._pool.append((environment, Toolbox(self.tools + environment_tools(environment))))
+    @property
+    def names(self) -> list[str]:
+        """The environments' names, when a dict of factories gave them."""
+        return [name for name in self.factories if name is not None]
+
+    def _add(self, name: str | None, environment: Any) -> Toolbox:
+        toolbox = Toolbox(self.tools + environment_tools(environment))
+        self._pools[name].append((environment, toolbox))
+        return toolbox
+
+    def check_names(self, names: Any, where: str) -> None:
+        """Refuse an environment name that no factory has."""
+        unknown = sorted({str(name) for name in names} - set(self.names))
+        if unknown:
+            raise ValueError(
+                f"The `{ENVIRONMENT_COLUMN}` column of {where} names {unknown}, which environment_factory does not "
+                f"have; its environments are {self.names}."
+            )
 
     def start(self, rows: Sequence[dict[str, Any]]) -> tuple[list[Any], list[Any], list[Toolbox]]:
         """Reset one environment per row with the row's columns: the environments, the prompts (with the text each
         reset returned added to the last message) and each sample's tools, bound to its environment."""
-        while len(self._pool) < len(rows):
-            self._add(self.factory())
-        environments, toolboxes = (list(column) for column in zip(*self._pool[: len(rows)]))
-        prompts = [start_environment(environment, row) for environment, row in zip(environments, rows)]
+        names = [row[ENVIRONMENT_COLUMN] if self.named else None for row in rows]
+        if self.named:
+            self.check_names(names, "a rollout's rows")
+        taken: dict[str | None, int] = {}
+        environments, toolboxes = [], []
+        for name in names:
+            index = taken[name] = taken.get(name, -1) + 1
+            if index == len(self._pools[name]):
+                self._add(name, self.factories[name]())
+            environment, toolbox = self._pools[name][index]
+            environments.append(environment)
+            toolboxes.append(toolbox)
+        prompts = [
+            start_environment(environment, row, skip=ENVIRONMENT_COLUMN if self.named else None)
+            for environment, row in zip(environments, rows)
+        ]
         return environments, prompts, toolboxes
 
 
-def with_environment_reward(
-    reward_funcs: Any, reward_weights: Sequence[float] | None, reward: EnvironmentReward
+def _probe_environment(name: str | None, factory: Any) -> Any:
+    """One environment from ``factory``, checked: it must start with ``reset(**row)``."""
+    described = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+    if not callable(factory):
+        raise TypeError(
+            f"{described} must be a callable that returns a new environment (e.g. the class), got {factory!r}."
+        )
+    probe = factory()
+    if not callable(getattr(probe, "reset", None)):
+        raise ValueError(
+            f"The environment {type(probe).__name__} ({described}) has no reset() method: each sample's environment "
+            "is started with reset(**row), the dataset row's columns as keyword arguments."
+        )
+    return probe
+
+
+def with_environment_rewards(
+    reward_funcs: Any, reward_weights: Sequence[float] | None, rewards: Sequence[EnvironmentReward]
 ) -> tuple[list[Any], list[float] | None]:
-    """The reward functions with the environment's appended; weights given for the others alone weigh it 1."""
+    """The reward functions with the environments' appended; weights given for the others alone weigh each 1."""
     if reward_funcs is None:
         funcs = []
     elif isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str):
@@ -489,13 +541,14 @@ def with_environment_reward(
         funcs = [reward_funcs]
     weights = None if reward_weights is None else list(reward_weights)
     if weights is not None and len(weights) == len(funcs):
-        weights.append(1.0)
-    return funcs + [reward], weights
+        weights += [1.0] * len(rewards)
+    return funcs + list(rewards), weights
 
 
-def start_environment(environment: Any, row: dict[str, Any]) -> Any:
-    """Reset ``environment`` with the row's columns; its prompt, with the text reset returns added to the last message."""
-    observation = environment.reset(**row)
+def start_environment(environment: Any, row: dict[str, Any], skip: str | None = None) -> Any:
+    """Reset ``environment`` with the row's columns (but ``skip``); its prompt, with the text reset returns added to
+    the last message."""
+    observation = environment.reset(**{key: value for key, value in row.items() if key != skip})
     prompt = row["prompt"]
     if observation is None:
         return prompt

@@ -7,10 +7,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from datasets import Dataset
+
 from .config import GRPOConfig, TargetPOConfig
 from .data import check_streaming_supported, first_row, is_stream, validate_prompt_dataset
 from .modeling.loading import model_identifier
 from .modeling.logps import require_liger
+from .multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool
 from .objectives import warn_if_grpo_config_trains_another_loss
 from .rewards import REWARD_ARGUMENTS
 from .vision import IMAGE_COLUMNS
@@ -69,7 +72,7 @@ class DatasetNeeds:
     renderer: Any  # the processor or tokenizer that renders the prompts
     images_need: str | None  # what prompts with images would need that the run lacks; None: they can be trained on
     multi_turn: bool  # tools or environments: prompts must be conversations
-    has_environments: bool  # reward functions get `environments=`
+    environments: EnvironmentPool | None  # reward functions get `environments=`; several need a column naming them
     # Refuses a reward function that needs an argument the rollouts do not pass: (the arguments a split's columns
     # pass, where they come from). None when a rollout_func makes the rollouts (its extra fields are arguments too,
     # known only once it runs).
@@ -91,7 +94,10 @@ def check_datasets(args: TargetPOConfig, train_dataset: Any, eval_dataset: Any, 
                     "messages): the chat template renders the tools and the tool turns. Wrap each prompt as "
                     "`[{'role': 'user', 'content': prompt}]`."
                 )
-    reserved = REWARD_ARGUMENTS | ({"environments"} if needs.has_environments else set())
+    if needs.environments is not None and needs.environments.named:
+        for split, dataset in splits:
+            _check_environment_column(split, dataset, needs.environments)
+    reserved = REWARD_ARGUMENTS | ({"environments"} if needs.environments is not None else set())
     for split, dataset in splits:
         columns = set(getattr(dataset, "column_names", None) or first_row(dataset))
         clashes = reserved & columns
@@ -115,8 +121,51 @@ def _check_reward_columns(split: str, columns: set[str], remove_unused_columns: 
     source = f"the {split} dataset (its columns: {sorted(columns)})"
     passed = columns - {"prompt"}  # the prompt arrives as `prompts`
     if remove_unused_columns:
-        passed &= set(IMAGE_COLUMNS)
+        passed &= set(kept_columns(needs.environments))
         source += " with remove_unused_columns=True, which keeps only the prompt and the image column"
-    if needs.has_environments:
+    if needs.environments is not None:
         passed.add("environments")
     needs.check_reward_arguments(passed, source)
+
+
+def _check_environment_column(split: str, dataset: Any, environments: EnvironmentPool) -> None:
+    """With a dict of environments every row names a known one in its ``environment`` column (a stream's rows are
+    checked as they arrive)."""
+    columns = set(getattr(dataset, "column_names", None) or first_row(dataset))
+    if ENVIRONMENT_COLUMN not in columns:
+        raise ValueError(
+            f"environment_factory is a dict of environments, so each row of the {split} dataset names its "
+            f"environment in an `{ENVIRONMENT_COLUMN}` column, which it lacks (its columns: {sorted(columns)}). Add "
+            f"the column (one of {environments.names} per row), or pass one environment factory."
+        )
+    if not is_stream(dataset):
+        if isinstance(dataset, Dataset):
+            names = dataset.unique(ENVIRONMENT_COLUMN)
+        else:
+            names = [row[ENVIRONMENT_COLUMN] for row in dataset]
+        environments.check_names(names, f"the {split} dataset")
+
+
+def kept_columns(environments: EnvironmentPool | None) -> list[str]:
+    """The columns ``remove_unused_columns=True`` keeps: what rollouts themselves read (the prompt, its images, and
+    each row's environment name when there are several environments)."""
+    named = environments is not None and environments.named
+    return ["prompt", *IMAGE_COLUMNS, *([ENVIRONMENT_COLUMN] if named else [])]
+
+
+def prompts_from_environments(args: TargetPOConfig, environments: EnvironmentPool) -> Dataset:
+    """The train dataset when the environment makes up each prompt in ``reset()``: one rollout's worth of empty user
+    messages, read again for every rollout, with ``max_steps`` setting the run's length."""
+    if environments.named:
+        raise ValueError(
+            f"environment_factory is a dict of environments {environments.names}, so a train_dataset must name each "
+            f"row's environment in an `{ENVIRONMENT_COLUMN}` column. Pass one, or one factory whose reset() makes up "
+            "the prompt."
+        )
+    if args.max_steps <= 0:
+        raise ValueError(
+            "No train_dataset: the environment makes up each prompt in reset(), so no dataset sets how long to "
+            "train. Set max_steps to the number of optimiser steps."
+        )
+    prompts_per_rollout = args.generation_batch_size // args.num_generations
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * prompts_per_rollout})

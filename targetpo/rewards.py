@@ -135,7 +135,10 @@ class RewardScorer:
         if reward_funcs is None or (
             isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
         ):
-            raise ValueError("`reward_funcs` needs at least one reward function or reward model.")
+            raise ValueError(
+                "No reward source: pass reward_funcs (at least one reward function or reward model), or an "
+                "environment_factory whose environments define get_reward()."
+            )
         funcs = (
             list(reward_funcs)
             if isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str)

@@ -21,12 +21,7 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 from torch import nn
-from transformers import (
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Trainer,
-    TrainerCallback,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from . import functional as F
 from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
@@ -45,16 +40,8 @@ from .data import (
     stream_loader_settings,
     validate_prompt_dataset,
 )
-from .distributed import (
-    check_engine_supported,
-    failures_reach_every_process,
-    prepare_frozen_model,
-    shards_parameters,
-)
-from .generation import (
-    RolloutBackend,
-    SamplingSettings,
-)
+from .distributed import check_engine_supported, failures_reach_every_process, prepare_frozen_model, shards_parameters
+from .generation import RolloutBackend, SamplingSettings
 from .metrics import MetricsRecorder, record_loss_metrics, record_targets
 from .modeling.loading import (
     PromptLimit,
@@ -65,22 +52,19 @@ from .modeling.loading import (
     mix_weights_into,
     prepare_policy,
 )
-from .multi_turn import (
-    EnvironmentPool,
-    ToolLoop,
-    check_multi_turn_arguments,
-    with_environment_reward,
-)
+from .multi_turn import EnvironmentPool, ToolLoop, check_multi_turn_arguments, with_environment_rewards
 from .objectives import TrainingLoss, build_objective
 from .policy_logps import PolicyLogps, TokenLogps
-from .preflight import DatasetNeeds, check_datasets, check_run_settings, resolve_config
-from .regularisers import EntropyBonus, importance_sampling_applies
-from .reporting import (
-    RolloutTable,
-    log_completions_to_trackers,
-    print_completions_table,
-    push_completions_table,
+from .preflight import (
+    DatasetNeeds,
+    check_datasets,
+    check_run_settings,
+    kept_columns,
+    prompts_from_environments,
+    resolve_config,
 )
+from .regularisers import EntropyBonus, importance_sampling_applies
+from .reporting import RolloutTable, log_completions_to_trackers, print_completions_table, push_completions_table
 from .rewards import RewardFunc, RewardScorer
 from .rollout.prompts import PromptEncoder
 from .rollout.records import RolloutBatch
@@ -88,10 +72,7 @@ from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
 from .tools import AsyncRunner, ConversationTemplate, Toolbox
-from .vision import (
-    IMAGE_COLUMNS,
-    is_processor,
-)
+from .vision import is_processor
 
 
 class TargetPOTrainer(Trainer):
@@ -100,7 +81,8 @@ class TargetPOTrainer(Trainer):
     Args:
         model: a model id or local path, or a ``PreTrainedModel`` for causal language modelling or image-text-to-text.
         reward_funcs: one or several reward functions (``f(prompts, completions, completion_ids, **kwargs)``),
-            reward models (``PreTrainedModel`` for sequence classification) or reward-model ids.
+            reward models (``PreTrainedModel`` for sequence classification) or reward-model ids; None when an
+            environment's ``get_reward()`` scores the samples.
         args: a :class:`~targetpo.TargetPOConfig`.
         train_dataset, eval_dataset: prompt-only datasets with a ``prompt`` column (string or chat messages).
         processing_class: the policy's tokenizer, or a vision-language model's processor (prompts with images, from an
@@ -111,7 +93,9 @@ class TargetPOTrainer(Trainer):
         tools: typed Python functions (sync or async) with docstrings the model may call; rollouts become
             multi-turn (``docs/multi_turn.md``). Needs a conversational dataset.
         environment_factory: a callable that makes one environment per sample: ``reset(**row)`` starts it, its public
-            methods are tools, and an optional ``get_reward()`` scores it. Reward functions get ``environments=``.
+            methods are tools, and an optional ``get_reward()`` scores it. Reward functions get ``environments=``. A
+            dict of them by name: each row's ``environment`` column chooses one. Without a train_dataset (and with
+            max_steps) one environment makes up every prompt in ``reset()``.
         rollout_func: ``rollout_func(prompts, trainer) -> dict`` replaces generation with a loop of one's own: it
             returns ``prompt_ids``, ``completion_ids`` and optionally ``logprobs``, ``env_mask`` and extra fields.
     """
@@ -125,7 +109,7 @@ class TargetPOTrainer(Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: RewardFunc | Sequence[RewardFunc],
+        reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
         args: TargetPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -141,6 +125,8 @@ class TargetPOTrainer(Trainer):
         args = resolve_config(model, args)
         check_run_settings(args, evaluates=eval_dataset is not None)
         reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
+        if train_dataset is None and self._environments is not None:  # the environments make up the prompts
+            train_dataset = prompts_from_environments(args, self._environments)
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
             reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
@@ -155,7 +141,7 @@ class TargetPOTrainer(Trainer):
             self._processor or self._tokenizer,
             self._images_need,
             multi_turn=self._tool_loop_needed,
-            has_environments=self._environments is not None,
+            environments=self._environments,
             check_reward_arguments=self.reward_scorer.check_arguments if rollout_func is None else None,
         )
         check_datasets(args, train_dataset, eval_dataset, needs)
@@ -212,8 +198,8 @@ class TargetPOTrainer(Trainer):
             else None
         )
         self._tool_loop_needed = bool(self.tools) or self._environments is not None
-        if self._environments is not None and self._environments.reward is not None:
-            return with_environment_reward(reward_funcs, args.reward_weights, self._environments.reward)
+        if self._environments is not None and self._environments.rewards:
+            return with_environment_rewards(reward_funcs, args.reward_weights, self._environments.rewards)
         return reward_funcs, args.reward_weights
 
     def _prepare_frozen_models(self) -> None:
@@ -424,9 +410,9 @@ class TargetPOTrainer(Trainer):
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _set_signature_columns_if_needed(self) -> None:
-        # With remove_unused_columns=True only what rollouts themselves need is kept: the prompt and its images.
+        # With remove_unused_columns=True only what rollouts themselves read is kept.
         if self._signature_columns is None:
-            self._signature_columns = ["prompt", *IMAGE_COLUMNS, ROLLOUT_USE, UPCOMING_ROW]
+            self._signature_columns = [*kept_columns(self._environments), ROLLOUT_USE, UPCOMING_ROW]
 
     def train(self, *args: Any, **kwargs: Any):
         self._scheduler.buffer = None  # a (resumed) run starts with a fresh rollout

@@ -101,7 +101,8 @@ def test_qwen3s_template_trains_tool_calls_on_exactly_the_tokens_the_model_wrote
         expected = first + EOS + tool_turn(result, thinking) + second + EOS
         assert tokenizer.decode(ids, skip_special_tokens=False) == expected
         mask = completions.loss_mask[index, :length].bool().tolist()
-        assert tokenizer.decode([t for t, on in zip(ids, mask) if on], skip_special_tokens=False) == first + EOS + second + EOS
+        trained = tokenizer.decode([token for token, on in zip(ids, mask) if on], skip_special_tokens=False)
+        assert trained == first + EOS + second + EOS
     assert rollout.tool_calls == [1, 1, 1] and rollout.tool_failures == [0, 1, 1]
 
 

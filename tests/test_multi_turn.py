@@ -470,7 +470,7 @@ def test_two_processes_play_their_own_number_of_turns_and_log_the_metrics_of_eve
         (dict(tools=[add], rollout_func=lambda prompts, trainer: {}), "rollout_func replaces"),
         (dict(tools=[lambda x: x]), "cannot be described to the model"),
         (dict(environment_factory=lambda: object()), "has no reset() method"),
-        (dict(environment_factory={"game": GuessingGame}), "A dict of environment factories"),
+        (dict(environment_factory={}), "environment_factory is an empty dict"),
         (dict(tools=[add], plain_template=True), "no `response_template`"),
     ],
 )

@@ -7,7 +7,7 @@ their images by the processor, left-padded and cut to the prompt limit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,8 @@ from ..vision import (
 
 #: ``guard(what)``: a block whose failure on one process stops every process (``failures_reach_every_process``).
 Guard = Callable[[str], contextlib.AbstractContextManager]
+#: Each prompt's tool schemas (when each row's environment brings its own tools); None: the run's tools for all.
+ToolsPerPrompt = Sequence[list[dict[str, Any]]] | None
 
 
 @dataclass
@@ -64,21 +66,24 @@ class PromptEncoder:
         """Whether the rows' prompts are encoded with images (the run can train on them and the rows have some)."""
         return self.images_allowed and image_column(rows[0]) is not None
 
-    def encode(self, rows: list[dict[str, Any]], prompts: list[Any] | None = None) -> RolloutPrompts:
-        """The rows' prompts (or ``prompts``, e.g. as environments reset them), with their images if they have some."""
+    def encode(
+        self, rows: list[dict[str, Any]], prompts: list[Any] | None = None, tools: ToolsPerPrompt = None
+    ) -> RolloutPrompts:
+        """The rows' prompts (or ``prompts``, e.g. as environments reset them), with their images if they have some;
+        ``tools``: each prompt's tool schemas (each row's environment), else the run's."""
         prompts = [row["prompt"] for row in rows] if prompts is None else prompts
         if self.has_images(rows):
-            prompts, encoded, images = self.encode_with_images(rows, prompts)
+            prompts, encoded, images = self.encode_with_images(rows, prompts, tools)
             return RolloutPrompts(prompts, encoded.ids, encoded.mask, encoded, images)
         with self.guard("tokenizing the prompts"):
-            ids, mask = self.tokenize(prompts)
+            ids, mask = self.tokenize(prompts, tools)
         return RolloutPrompts(prompts, ids, mask)
 
-    def tokenize(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokenize(self, prompts: list[Any], tools: ToolsPerPrompt = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask; long prompts keep their last tokens (``max_prompt_length``, or fewer to
         leave the completion room within the model's positions)."""
         conversational = not isinstance(prompts[0], str)
-        texts = self.render(prompts)
+        texts = self.render(prompts, tools)
         encoded = self.tokenizer(
             text=texts,
             return_tensors="pt",
@@ -96,7 +101,7 @@ class PromptEncoder:
         return prompt_ids, prompt_mask
 
     def encode_with_images(
-        self, rows: list[dict[str, Any]], prompts: list[Any] | None = None
+        self, rows: list[dict[str, Any]], prompts: list[Any] | None = None, tools: ToolsPerPrompt = None
     ) -> tuple[list[Any], EncodedPrompts, PromptImages]:
         """The rows' prompts (or ``prompts``) with their image parts, encoded with the rows' images by the processor,
         and the images as rollout backends take them."""
@@ -107,7 +112,7 @@ class PromptEncoder:
                 with_image_parts(prompt, len(row_images_), index)
                 for index, (prompt, row_images_) in enumerate(zip(prompts, images))
             ]
-            texts = self.render(prompts)
+            texts = self.render(prompts, tools)
             encoded = encode_prompts_with_images(
                 self.processor,
                 texts,
@@ -128,6 +133,10 @@ class PromptEncoder:
         """Warn once when prompts were cut to the limit, counting distinct prompts (a group repeats its prompt)."""
         self.prompt_limit.report_cut(len({text for text, was_cut in zip(texts, cut) if was_cut}), len(set(texts)))
 
-    def render(self, prompts: list[Any]) -> list[str]:
-        """The prompts as text: conversations through the chat template (with the tools), strings as they are."""
-        return render_prompts(prompts, self.processor or self.tokenizer, self.tool_schemas, **self.chat_template_kwargs)
+    def render(self, prompts: list[Any], tools: ToolsPerPrompt = None) -> list[str]:
+        """The prompts as text: conversations through the chat template (with each prompt's tools, or the run's),
+        strings as they are."""
+        renderer, settings = self.processor or self.tokenizer, self.chat_template_kwargs
+        if tools is None:
+            return render_prompts(prompts, renderer, self.tool_schemas, **settings)
+        return [render_prompts([prompt], renderer, schemas, **settings)[0] for prompt, schemas in zip(prompts, tools)]

@@ -60,7 +60,7 @@ class RolloutScorer:
         guard: Callable[[str], contextlib.AbstractContextManager],
         run_async: Callable[..., Any],
         sharded: bool,
-        render: Callable[[list[Any]], list[str]],
+        render: Callable[..., list[str]],
     ):
         self.reward_scorer, self.tokenizer, self.accelerator, self.args = reward_scorer, tokenizer, accelerator, args
         self.metrics, self.guard, self.run_async, self.sharded = metrics, guard, run_async, sharded
@@ -195,7 +195,7 @@ class RolloutScorer:
         extra_columns: dict[str, list[Any]] | None = None,
     ) -> RolloutTable:
         """The rollout's completions table, over every process."""
-        prompts = gather_object(self.render(scored.sourced.prompts))
+        prompts = gather_object(self.render(scored.sourced.prompts, scored.sourced.tools))
         completions = gather_object(scored.completion_texts)
         per_func = self.accelerator.gather(scored.scores_per_func).cpu()
         return RolloutTable(

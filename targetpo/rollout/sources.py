@@ -45,6 +45,7 @@ class SourcedRollout:
     columns: dict[str, list[Any]] = field(default_factory=dict)  # reward-function arguments beside the prompts
     pixel_inputs: list[Any] | None = None  # prompts with images: each row's per-image model inputs
     token_aligned: dict[str, torch.Tensor] = field(default_factory=dict)  # and the prompts' per-token extras
+    tools: list[list[dict[str, Any]]] | None = None  # each prompt's tool schemas, where each sample has its own
 
     def with_images_of(self, encoded: EncodedPrompts | None) -> SourcedRollout:
         """This rollout with the pixel inputs and per-token extras of prompts encoded with their images."""
@@ -107,7 +108,8 @@ class ToolRollouts(RolloutSource):
         with trainer._failures_reach_every_process("starting the environments"):
             if trainer._environments is not None:
                 environments, prompts, toolboxes = trainer._environments.start(rows)
-        encoded = trainer._prompt_encoder.encode(rows, prompts)
+        tools = [toolbox.schemas for toolbox in toolboxes]  # each row's environment shows its own tools
+        encoded = trainer._prompt_encoder.encode(rows, prompts, tools)
         images_of_turn = None
         if encoded.images is not None:
             check_takes_images(trainer._scheduler.backend)
@@ -123,7 +125,7 @@ class ToolRollouts(RolloutSource):
         self._record_tool_metrics(rollout, mode, time.perf_counter() - started, encoded.ids.device)
         columns = {"environments": environments} if environments is not None else {}
         sourced = SourcedRollout(
-            encoded.prompts, encoded.ids, encoded.mask, rollout.completions, rollout.conversations, columns
+            encoded.prompts, encoded.ids, encoded.mask, rollout.completions, rollout.conversations, columns, tools=tools
         )
         return sourced.with_images_of(encoded.encoded)
 
