@@ -304,6 +304,22 @@ class GRPOConfig(TrainingArguments):
             "tools after that many rounds ends there, truncated. None: no limit but max_completion_length."
         },
     )
+    tool_call_timeout: Annotated[float | None, Range(above=0, why="None: no limit")] = field(
+        default=None,
+        metadata={
+            "help": "With tools or an environment: seconds one tool call may take. A call that takes longer is "
+            "answered with an error message the model reads (counted in tools/failure_frequency) and the rollout "
+            "goes on; a sync tool's thread, which Python cannot stop, is left to finish on its own. None: no limit."
+        },
+    )
+    tool_call_concurrency: Annotated[int, Range(at_least=1)] = field(
+        default=1,
+        metadata={
+            "help": "With tools or an environment: how many sync tool calls of different samples may run at once, "
+            "each on a thread of its own (a sample's own calls stay in order; async tools always run side by side). "
+            "1 runs them one after another. Above 1, tools shared by samples must be thread-safe."
+        },
+    )
     logps_chunk_size: Annotated[int, Range(at_least=0, why="0 disables chunking")] = field(
         default=512,
         metadata={

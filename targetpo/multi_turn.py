@@ -23,6 +23,7 @@ from .tools import (
     INVALID_CALL_NAME,
     AsyncRunner,
     ConversationTemplate,
+    ToolCallLimits,
     Toolbox,
     ToolOutcome,
     environment_tools,
@@ -76,8 +77,10 @@ class ToolLoop:
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         runner: AsyncRunner | None = None,
+        limits: ToolCallLimits = ToolCallLimits(),
     ):
         self.template = template
+        self.limits = limits  # per-call timeout, sync calls side by side
         self.tokenizer = template.tokenizer
         self.max_completion_length = max_completion_length
         self.max_rounds = math.inf if max_tool_calling_iterations is None else max_tool_calling_iterations
@@ -177,8 +180,8 @@ class ToolLoop:
 
     def _answer_calls(self, samples: list[_Sample], requests: list[tuple[int, Toolbox | None, Any]]) -> None:
         """Run the turn's calls, then give each sample its tool turn (or end it if the turn does not fit)."""
-        runnable = [(toolbox, call) for _, toolbox, call in requests if toolbox is not None]
-        ran = iter(run_tool_calls(runnable, self.runner))
+        runnable = [(index, toolbox, call) for index, toolbox, call in requests if toolbox is not None]
+        ran = iter(run_tool_calls(runnable, self.runner, self.limits))
         answers: dict[int, list[ToolOutcome]] = {}
         for index, toolbox, call in requests:
             outcome = next(ran) if toolbox is not None else ToolOutcome(tool_message(INVALID_CALL_NAME, call), True)

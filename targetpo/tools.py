@@ -36,6 +36,9 @@ HERMES_FIELDS = {
     },
 }
 
+#: What a call given up at its timeout returns in place of a result.
+TIMED_OUT = object()
+
 #: The tool name under which text that opens a call but cannot be parsed is answered.
 INVALID_CALL_NAME = "invalid_tool_call"
 
@@ -148,32 +151,64 @@ def _result_outcome(name: str, result: Any) -> ToolOutcome:
     return ToolOutcome(tool_message(name, result), failed=False)
 
 
-def run_tool_calls(calls: Sequence[tuple[Toolbox, dict[str, Any]]], runner: AsyncRunner) -> list[ToolOutcome]:
-    """Run every call of a turn, over all samples: sync tools in order, async ones all at once."""
+@dataclass(frozen=True)
+class ToolCallLimits:
+    """How a turn's calls run: ``timeout`` seconds at most per call (None: no limit), and at most ``concurrency``
+    sync calls of different samples at once (1: one after another in the training process)."""
+
+    timeout: float | None = None
+    concurrency: int = 1
+
+    @property
+    def off_thread(self) -> bool:
+        """Whether sync tools run on threads of their own: to be waited for with a timeout, or side by side."""
+        return self.timeout is not None or self.concurrency > 1
+
+
+def run_tool_calls(
+    calls: Sequence[tuple[int, Toolbox, dict[str, Any]]], runner: AsyncRunner, limits: ToolCallLimits = ToolCallLimits()
+) -> list[ToolOutcome]:
+    """Run every call of a turn, over all samples (``(sample, toolbox, call)``, a sample's calls in its order): async
+    tools of every sample at once; sync tools one after another, or side by side across samples (``limits``); a call
+    past the timeout is answered with an error and the turn goes on."""
     outcomes: list[ToolOutcome | None] = [None] * len(calls)
-    waiting: list[tuple[int, str, Any]] = []
-    for index, (toolbox, call) in enumerate(calls):
+    by_sample: dict[int, list[tuple[int, str, Callable[[], Any]]]] = {}
+    for index, (sample, toolbox, call) in enumerate(calls):
         name, invoke, problem = toolbox.bind(call)
         if invoke is None:
             outcomes[index] = ToolOutcome(tool_message(name, problem), failed=True)
-            continue
-        try:
-            result = invoke()
-        except Exception as error:
-            outcomes[index] = ToolOutcome(tool_message(name, _error_text(name, error)), failed=True)
-            continue
-        if inspect.isawaitable(result):
-            waiting.append((index, name, result))
         else:
-            outcomes[index] = _result_outcome(name, result)
-    if waiting:
-        results = runner.run([awaitable for _, _, awaitable in waiting])
-        for (index, name, _), result in zip(waiting, results):
-            if isinstance(result, Exception):
-                outcomes[index] = ToolOutcome(tool_message(name, _error_text(name, result)), failed=True)
+            by_sample.setdefault(sample, []).append((index, name, invoke))
+    if not limits.off_thread:  # sync tools here, in order; then the async ones, all at once
+        waiting = []
+        for index, name, invoke in (entry for entries in by_sample.values() for entry in entries):
+            try:
+                result = invoke()
+            except Exception as error:
+                outcomes[index] = ToolOutcome(tool_message(name, _error_text(name, error)), failed=True)
+                continue
+            if inspect.isawaitable(result):
+                waiting.append((index, name, result))
             else:
                 outcomes[index] = _result_outcome(name, result)
+        results = runner.run([awaitable for _, _, awaitable in waiting]) if waiting else []
+        for (index, name, _), result in zip(waiting, results):
+            outcomes[index] = _outcome(name, result)
+        return outcomes  # type: ignore[return-value]
+    results = runner.run_sample_calls(list(by_sample.values()), limits)
+    for (index, name, _), result in zip((entry for entries in by_sample.values() for entry in entries), results):
+        outcomes[index] = _outcome(name, result, limits.timeout)
     return outcomes  # type: ignore[return-value]
+
+
+def _outcome(name: str, result: Any, timeout: float | None = None) -> ToolOutcome:
+    """A call's outcome from what it returned, or from the exception it raised (a timeout included)."""
+    if result is TIMED_OUT:
+        text = f"Error: {name} did not finish within {timeout:g} s (tool_call_timeout); it was given up."
+        return ToolOutcome(tool_message(name, text), failed=True)
+    if isinstance(result, Exception):
+        return ToolOutcome(tool_message(name, _error_text(name, result)), failed=True)
+    return _result_outcome(name, result)
 
 
 def _error_text(name: str, error: BaseException) -> str:
@@ -203,12 +238,79 @@ class AsyncRunner:
 
         return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
 
+    def run_sample_calls(
+        self, samples: Sequence[Sequence[tuple[int, str, Callable[[], Any]]]], limits: ToolCallLimits
+    ) -> list[Any]:
+        """Each sample's calls in order, the samples side by side: sync tools on a thread each, at most
+        ``limits.concurrency`` at once; every call bounded by ``limits.timeout``. Results (or exceptions) in order."""
+        slots: asyncio.Semaphore | None = None
+
+        async def call(invoke: Callable[[], Any]) -> Any:
+            """Its result, the exception the tool raised, or TIMED_OUT."""
+            clock = asyncio.get_running_loop().time
+            try:
+                async with slots:  # the timeout counts from the call's start, not while it queues
+                    started = clock()
+                    result = await asyncio.wait_for(_in_thread(invoke), limits.timeout)
+                if inspect.isawaitable(result):  # an async tool: the thread only made its coroutine
+                    left = None if limits.timeout is None else limits.timeout - (clock() - started)
+                    result = await asyncio.wait_for(_returning_errors(result), left)
+                return result
+            except asyncio.TimeoutError:  # the tool's own errors come back as values, so this is the timeout
+                return TIMED_OUT
+
+        async def sample_calls(calls: Sequence[tuple[int, str, Callable[[], Any]]]) -> list[Any]:
+            return [await call(invoke) for _, _, invoke in calls]
+
+        async def every_sample() -> list[Any]:
+            nonlocal slots
+            slots = asyncio.Semaphore(limits.concurrency)  # made on the loop that uses it
+            return await asyncio.gather(*(sample_calls(calls) for calls in samples))
+
+        return [result for results in self.run([every_sample()])[0] for result in results]
+
     def close(self) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
             self._loop = self._thread = None
+
+
+async def _returning_errors(awaitable: Any) -> Any:
+    """The awaitable's result, or the exception it raised as a value."""
+    try:
+        return await awaitable
+    except Exception as error:
+        return error
+
+
+def _in_thread(invoke: Callable[[], Any]) -> asyncio.Future:
+    """``invoke()`` (its result, or the exception it raised) on a daemon thread of its own, as a future of the running
+    loop. Not a pool: a call that hangs past its timeout keeps its thread, and must not hold up the calls after it (nor
+    the interpreter's exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # given up by then: nobody waits for it
+            outcome()
+
+    def hand_over(outcome: Callable[[], None]) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop is closed: the run ended while this call, given up, ran on
+            pass
+
+    def work() -> None:
+        try:
+            result = invoke()
+        except Exception as error:  # a value, told apart from the timeout: the model is answered with it
+            result = error
+        hand_over(lambda: future.set_result(result))
+
+    threading.Thread(target=work, name="targetpo-tool-call", daemon=True).start()
+    return future
 
 
 class ConversationTemplate:

@@ -71,7 +71,7 @@ from .rollout.records import RolloutBatch
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
-from .tools import AsyncRunner, ConversationTemplate, Toolbox
+from .tools import AsyncRunner, ConversationTemplate, ToolCallLimits, Toolbox
 from .vision import is_processor
 
 
@@ -246,6 +246,7 @@ class TargetPOTrainer(Trainer):
                 eos_token_ids,
                 pad_token_id,
                 self._async_runner,
+                ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
             )
         self._prompt_encoder = PromptEncoder(
             tokenizer,

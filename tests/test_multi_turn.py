@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import copy
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -32,7 +34,14 @@ from targetpo.demo import (
 )
 from targetpo.generation import SamplingSettings, TransformersBackend
 from targetpo.multi_turn import ToolLoop
-from targetpo.tools import HERMES_FIELDS, ConversationTemplate, Toolbox, environment_tools, response_template
+from targetpo.tools import (
+    HERMES_FIELDS,
+    ConversationTemplate,
+    ToolCallLimits,
+    Toolbox,
+    environment_tools,
+    response_template,
+)
 
 #: A Hermes-style template on the character tokenizer: calls are JSON inside <tool_call> tags (the library's fallback
 #: response template reads them).
@@ -74,10 +83,12 @@ def broken(text: str) -> str:
     raise RuntimeError("the disk is full")
 
 
-def run_loop(tokenizer, tools, turns_by_prompt, prompts, max_completion_length=400, max_iterations=None):
+def run_loop(tokenizer, tools, turns_by_prompt, prompts, max_completion_length=400, max_iterations=None,
+             limits=ToolCallLimits()):
     """Run the real tool loop; each prompt's scripted turns are played in order."""
     template = ConversationTemplate(tokenizer, Toolbox(tools).schemas, [tokenizer.eos_token_id])
-    loop = ToolLoop(template, max_completion_length, max_iterations, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    loop = ToolLoop(template, max_completion_length, max_iterations, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                    limits=limits)
 
     def policy(context):
         prompt = next(key for key in turns_by_prompt if f"<user>{key}" in context)
@@ -139,6 +150,79 @@ def test_the_loop_runs_sync_and_async_tools_and_answers_every_kind_of_bad_call_w
     # The first assistant message carries the parsed call; the last one is the answer without a call.
     assert rollout.conversations[0][0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert rollout.conversations[0][2] == {"role": "assistant", "content": "five"}
+
+
+def test_a_call_past_tool_call_timeout_is_answered_with_an_error_and_the_turn_goes_on():
+    release = threading.Event()  # set at the end: a hung sync tool's thread, which cannot be stopped, then ends
+
+    def hang(text: str) -> str:
+        """Never answer in time.
+
+        Args:
+            text: anything.
+        """
+        return "late" if release.wait(timeout=30) is False else "released"
+
+    async def hang_async(text: str) -> str:
+        """Never answer in time, asynchronously.
+
+        Args:
+            text: anything.
+        """
+        await asyncio.sleep(30)
+        return "late"
+
+    turns = {"sync": [call("hang", text="x"), "gave up"], "async": [call("hang_async", text="x"), "gave up"],
+             "sum": [call("add", a=2, b=3), "five"]}
+    try:
+        rollout = run_loop(hermes_tokenizer(), [add, hang, hang_async], turns, [user(key) for key in turns],
+                           limits=ToolCallLimits(timeout=0.5))
+    finally:
+        release.set()
+    results = [conversation[1]["content"] for conversation in rollout.conversations]
+    assert results[0] == "Error: hang did not finish within 0.5 s (tool_call_timeout); it was given up."
+    assert results[1] == "Error: hang_async did not finish within 0.5 s (tool_call_timeout); it was given up."
+    assert results[2] == "5"
+    assert rollout.tool_failures == [1, 1, 0] and rollout.turns == [2, 2, 2]  # every sample went on to its answer
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_sync_calls_of_different_samples_run_side_by_side_and_a_samples_own_calls_in_order(concurrency):
+    both_waiting = threading.Barrier(2, timeout=2)  # passes only when two calls wait at once
+    order = []
+
+    def meet(name: str) -> str:
+        """Wait until the other sample's call waits too.
+
+        Args:
+            name: who arrives.
+        """
+        try:
+            both_waiting.wait()
+            return f"met {name}"
+        except threading.BrokenBarrierError:
+            return f"{name} waited alone"
+
+    def note(step: int) -> int:
+        """Note a step.
+
+        Args:
+            step: the step.
+        """
+        time.sleep((4 - step) * 0.05)  # run side by side, the later steps would be noted first
+        order.append(step)
+        return step
+
+    turns = {"A": [call("meet", name="A"), "ok"], "B": [call("meet", name="B"), "ok"],
+             "steps": [call("note", step=1) + call("note", step=2) + call("note", step=3), "ok"]}
+    limits = ToolCallLimits(timeout=None if concurrency == 1 else 30, concurrency=concurrency)
+    rollout = run_loop(hermes_tokenizer(), [meet, note], turns, [user(key) for key in turns], limits=limits)
+    results = [conversation[1]["content"] for conversation in rollout.conversations]
+    if concurrency == 2:
+        assert results[:2] == ["met A", "met B"]
+    else:  # one after another: each meets nobody (as before this setting existed)
+        assert results[:2] == ["A waited alone", "B waited alone"]
+    assert order == [1, 2, 3]  # a sample's own calls in the order it made them
 
 
 def test_each_sample_is_the_template_rendering_of_its_conversation_and_only_the_models_turns_are_trained():
@@ -346,6 +430,37 @@ def test_environments_keep_state_per_sample_score_themselves_and_reach_reward_fu
     assert logs["completions/max_length"] == max(written)
     table = trainer._completion_table
     assert any("tool guess: =" in text for text in table.completions)  # the table shows the conversation
+
+
+def test_tool_call_timeout_reaches_the_environments_tools_and_counts_as_a_failed_call(tmp_path):
+    release, seen = threading.Event(), []
+
+    class StuckOnFour(GuessingGame):
+        def guess(self, number: int) -> str:
+            """Guess the hidden digit; a guess of 4 never answers in time.
+
+            Args:
+                number: the guess, a digit from 0 to 7.
+            """
+            if number == 4:
+                release.wait(timeout=30)
+            return super().guess(number)
+
+    def record(completions, **kwargs):
+        seen.append(completions)
+        return [0.0] * len(completions)
+
+    trainer = guessing_trainer(tmp_path, halving_search, reward_funcs=[record], environment_factory=StuckOnFour,
+                               max_steps=1, tool_call_timeout=0.3, max_completion_length=100)
+    try:
+        trainer.train()
+    finally:
+        release.set()
+    answers = [[m["content"] for m in conversation if m["role"] == "tool"] for conversation in seen[0]]
+    assert all(turn[0] == "Error: guess did not finish within 0.3 s (tool_call_timeout); it was given up." for turn in answers)
+    failed = sum(answer.startswith("Error") for turn in answers for answer in turn)
+    calls = sum(len(turn) for turn in answers)
+    assert trainer.state.log_history[0]["tools/failure_frequency"] == pytest.approx(failed / calls)
 
 
 def test_environments_are_built_once_and_reset_for_every_rollout_and_an_async_get_reward_is_awaited(tmp_path):
