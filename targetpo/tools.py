@@ -179,24 +179,23 @@ def run_tool_calls(
             outcomes[index] = ToolOutcome(tool_message(name, problem), failed=True)
         else:
             by_sample.setdefault(sample, []).append((index, name, invoke))
-    if not limits.off_thread:  # sync tools here, in order; then the async ones, all at once
-        waiting = []
-        for index, name, invoke in (entry for entries in by_sample.values() for entry in entries):
+    in_order = [entry for entries in by_sample.values() for entry in entries]
+    if limits.off_thread:
+        results = runner.run_sample_calls(list(by_sample.values()), limits)
+    else:  # sync tools here, in order; then the async ones, all at once
+        results, waiting = [], []
+        for position, (_, _, invoke) in enumerate(in_order):
             try:
                 result = invoke()
             except Exception as error:
-                outcomes[index] = ToolOutcome(tool_message(name, _error_text(name, error)), failed=True)
-                continue
+                result = error
             if inspect.isawaitable(result):
-                waiting.append((index, name, result))
-            else:
-                outcomes[index] = _result_outcome(name, result)
-        results = runner.run([awaitable for _, _, awaitable in waiting]) if waiting else []
-        for (index, name, _), result in zip(waiting, results):
-            outcomes[index] = _outcome(name, result)
-        return outcomes  # type: ignore[return-value]
-    results = runner.run_sample_calls(list(by_sample.values()), limits)
-    for (index, name, _), result in zip((entry for entries in by_sample.values() for entry in entries), results):
+                waiting.append((position, result))
+            results.append(result)
+        awaited = runner.run([awaitable for _, awaitable in waiting]) if waiting else []
+        for (position, _), result in zip(waiting, awaited):
+            results[position] = result
+    for (index, name, _), result in zip(in_order, results):
         outcomes[index] = _outcome(name, result, limits.timeout)
     return outcomes  # type: ignore[return-value]
 
