@@ -259,6 +259,25 @@ def test_the_turn_limit_and_the_length_limit_truncate_a_sample():
     assert rollout.completions.truncated.tolist() == [True, True, False]
 
 
+def test_a_tool_result_too_long_for_the_room_left_ends_its_sample_without_it():
+    def shout(text: str) -> str:
+        """Repeat the text many times.
+
+        Args:
+            text: what to repeat.
+        """
+        return text * 500
+
+    turns = {"loud": [call("shout", text="a"), "never"], "quiet": [call("add", a=1, b=2), "3"]}
+    rollout = run_loop(hermes_tokenizer(), [add, shout], turns, [user("loud"), user("quiet")], max_completion_length=300)
+    loud, quiet = rollout.conversations
+    assert [message["role"] for message in loud] == ["assistant"] and loud[0]["tool_calls"]  # the result is left out
+    assert [message["role"] for message in quiet] == ["assistant", "tool", "assistant"]
+    assert rollout.completions.truncated.tolist() == [True, False]
+    assert rollout.completions.lengths[0] == len(hermes_tokenizer()(call("shout", text="a"))["input_ids"]) + 1
+    assert rollout.tool_calls == [1, 1] and rollout.turns == [1, 2]
+
+
 def test_later_turns_are_generated_within_the_room_left():
     tokenizer = hermes_tokenizer()
     template = ConversationTemplate(tokenizer, Toolbox([add]).schemas, [tokenizer.eos_token_id])
