@@ -487,7 +487,7 @@ class EnvironmentPool:
 
     def check_names(self, names: Any, where: str) -> None:
         """Refuse an environment name that no factory has."""
-        unknown = sorted({str(name) for name in names} - set(self.names))
+        unknown = sorted({name for name in names if name is None or name not in self.factories}, key=str)
         if unknown:
             raise ValueError(
                 f"The `{ENVIRONMENT_COLUMN}` column of {where} names {unknown}, which environment_factory does not "
