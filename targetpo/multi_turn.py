@@ -181,7 +181,8 @@ class ToolLoop:
     def _answer_calls(self, samples: list[_Sample], requests: list[tuple[int, Toolbox | None, Any]]) -> None:
         """Run the turn's calls, then give each sample its tool turn (or end it if the turn does not fit)."""
         runnable = [(index, toolbox, call) for index, toolbox, call in requests if toolbox is not None]
-        ran = iter(run_tool_calls(runnable, self.runner, self.limits))
+        calls, callers = [(toolbox, call) for _, toolbox, call in runnable], [index for index, _, _ in runnable]
+        ran = iter(run_tool_calls(calls, self.runner, self.limits, callers))
         answers: dict[int, list[ToolOutcome]] = {}
         for index, toolbox, call in requests:
             outcome = next(ran) if toolbox is not None else ToolOutcome(tool_message(INVALID_CALL_NAME, call), True)

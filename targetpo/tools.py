@@ -166,14 +166,18 @@ class ToolCallLimits:
 
 
 def run_tool_calls(
-    calls: Sequence[tuple[int, Toolbox, dict[str, Any]]], runner: AsyncRunner, limits: ToolCallLimits = ToolCallLimits()
+    calls: Sequence[tuple[Toolbox, dict[str, Any]]],
+    runner: AsyncRunner,
+    limits: ToolCallLimits = ToolCallLimits(),
+    samples: Sequence[int] | None = None,
 ) -> list[ToolOutcome]:
-    """Run every call of a turn, over all samples (``(sample, toolbox, call)``, a sample's calls in its order): async
-    tools of every sample at once; sync tools one after another, or side by side across samples (``limits``); a call
-    past the timeout is answered with an error and the turn goes on."""
+    """Run every call of a turn, over all samples (``samples``: the sample that made each call, its calls in its
+    order; by default each call its own): async tools of every sample at once; sync tools one after another, or side
+    by side across samples (``limits``); a call past the timeout is answered with an error and the turn goes on."""
     outcomes: list[ToolOutcome | None] = [None] * len(calls)
     by_sample: dict[int, list[tuple[int, str, Callable[[], Any]]]] = {}
-    for index, (sample, toolbox, call) in enumerate(calls):
+    samples = range(len(calls)) if samples is None else samples
+    for index, (sample, (toolbox, call)) in enumerate(zip(samples, calls)):
         name, invoke, problem = toolbox.bind(call)
         if invoke is None:
             outcomes[index] = ToolOutcome(tool_message(name, problem), failed=True)
