@@ -309,14 +309,16 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "With tools or an environment: seconds one tool call may take. A call that takes longer is "
             "answered with an error message the model reads (counted in tools/failure_frequency) and the rollout "
-            "goes on; a sync tool's thread, which Python cannot stop, is left to finish on its own. None: no limit."
+            "goes on; a sync tool's thread, which Python cannot stop, is left to finish beside later calls, so shared "
+            "tools must then be thread-safe. None: no limit."
         },
     )
     tool_call_concurrency: Annotated[int, Range(at_least=1)] = field(
         default=1,
         metadata={
             "help": "With tools or an environment: how many sync tool calls of different samples may run at once, "
-            "each on a thread of its own (a sample's own calls stay in order; async tools always run side by side). "
+            "each on a thread of its own (a sample's own calls stay in order; different samples' async calls run "
+            "side by side). "
             "1 runs them one after another. Above 1, tools shared by samples must be thread-safe."
         },
     )

@@ -177,7 +177,7 @@ def run_tool_calls(
     outcomes: list[ToolOutcome | None] = [None] * len(calls)
     by_sample: dict[int, list[tuple[int, str, Callable[[], Any]]]] = {}
     samples = range(len(calls)) if samples is None else samples
-    for index, (sample, (toolbox, call)) in enumerate(zip(samples, calls)):
+    for index, (sample, (toolbox, call)) in enumerate(zip(samples, calls, strict=True)):
         name, invoke, problem = toolbox.bind(call)
         if invoke is None:
             outcomes[index] = ToolOutcome(tool_message(name, problem), failed=True)
@@ -270,7 +270,14 @@ class AsyncRunner:
             slots = asyncio.Semaphore(limits.concurrency)  # made on the loop that uses it
             return await asyncio.gather(*(sample_calls(calls) for calls in samples))
 
-        return [result for results in self.run([every_sample()])[0] for result in results]
+        (per_sample,) = self.run([every_sample()])
+        if isinstance(per_sample, BaseException):  # not a tool's error (those are values): it ends the run
+            raise per_sample
+        results = [result for results in per_sample for result in results]
+        interrupted = next((result.error for result in results if isinstance(result, _Interrupted)), None)
+        if interrupted is not None:
+            raise interrupted
+        return results
 
     def close(self) -> None:
         if self._loop is not None:
@@ -278,6 +285,14 @@ class AsyncRunner:
             self._thread.join()
             self._loop.close()
             self._loop = self._thread = None
+
+
+class _Interrupted(Exception):
+    """A tool's SystemExit or KeyboardInterrupt, carried out of its thread to be raised in the training process."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(repr(error))
+        self.error = error
 
 
 async def _returning_errors(awaitable: Any) -> Any:
@@ -310,6 +325,8 @@ def _in_thread(invoke: Callable[[], Any]) -> asyncio.Future:
             result = invoke()
         except Exception as error:  # a value, told apart from the timeout: the model is answered with it
             result = error
+        except BaseException as error:  # SystemExit, KeyboardInterrupt: not the model's to read; they end the run
+            result = _Interrupted(error)  # carried as a value: raised in the loop it would stop the loop itself
         hand_over(lambda: future.set_result(result))
 
     threading.Thread(target=work, name="targetpo-tool-call", daemon=True).start()

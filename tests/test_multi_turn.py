@@ -186,6 +186,21 @@ def test_a_call_past_tool_call_timeout_is_answered_with_an_error_and_the_turn_go
     assert rollout.tool_failures == [1, 1, 0] and rollout.turns == [2, 2, 2]  # every sample went on to its answer
 
 
+@pytest.mark.parametrize("limits", [ToolCallLimits(), ToolCallLimits(timeout=30), ToolCallLimits(concurrency=2)])
+def test_a_system_exit_in_a_tool_ends_the_run_wherever_the_tool_runs(limits):
+    def leave(text: str) -> str:
+        """Leave.
+
+        Args:
+            text: anything.
+        """
+        raise SystemExit(3)
+
+    turns = {"leave": [call("leave", text="x"), "gone"], "sum": [call("add", a=2, b=3), "five"]}
+    with pytest.raises(SystemExit):
+        run_loop(hermes_tokenizer(), [add, leave], turns, [user(key) for key in turns], limits=limits)
+
+
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_sync_calls_of_different_samples_run_side_by_side_and_a_samples_own_calls_in_order(concurrency):
     both_waiting = threading.Barrier(2, timeout=2)  # passes only when two calls wait at once
@@ -269,7 +284,8 @@ def test_a_tool_result_too_long_for_the_room_left_ends_its_sample_without_it():
         return text * 500
 
     turns = {"loud": [call("shout", text="a"), "never"], "quiet": [call("add", a=1, b=2), "3"]}
-    rollout = run_loop(hermes_tokenizer(), [add, shout], turns, [user("loud"), user("quiet")], max_completion_length=300)
+    prompts = [user("loud"), user("quiet")]
+    rollout = run_loop(hermes_tokenizer(), [add, shout], turns, prompts, max_completion_length=300)
     loud, quiet = rollout.conversations
     assert [message["role"] for message in loud] == ["assistant"] and loud[0]["tool_calls"]  # the result is left out
     assert [message["role"] for message in quiet] == ["assistant", "tool", "assistant"]
