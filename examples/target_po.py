@@ -512,7 +512,9 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, M
         peek = HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
     # argparse uses a default only for a flag that is not on the command line, so a flag passed wins whatever its value.
     parser.set_defaults(**task_defaults(peek))
-    script_args, training_args, model_args = parser.parse_args_into_dataclasses(argv)
+    with warnings.catch_warnings():  # every --vllm_* flag without --use_vllm is named once, by build_trainer
+        warnings.filterwarnings("ignore", message=r".* no effect with use_vllm=False")
+        script_args, training_args, model_args = parser.parse_args_into_dataclasses(argv)
     return script_args, training_args, model_args
 
 

@@ -83,7 +83,7 @@ def validate_prompt_dataset(
         )
     first_is_text = None
     # A stream is read once, while training: its first row is checked now, the others as they arrive (RolloutStream).
-    prompts = [first["prompt"]] if is_stream(dataset) else _prompts(dataset, split)
+    prompts = [first["prompt"]] if is_stream(dataset) else column_values(dataset, "prompt", split)
     for index, prompt in enumerate(prompts):
         problem = prompt_problem(prompt, images_allowed=images_need is None)
         if problem is not None:
@@ -109,20 +109,22 @@ def validate_prompt_dataset(
         )
 
 
-def _prompts(dataset: Any, split: str) -> Iterator[Any]:
-    """Every row's prompt in order; a `datasets.Dataset` is read a column batch at a time, not row by row."""
+def column_values(dataset: Any, column: str, split: str) -> Iterator[Any]:
+    """Every row's ``column`` in order; a `datasets.Dataset` is read a column batch at a time, not row by row."""
     if isinstance(dataset, datasets.Dataset):
-        if dataset.format["type"] != "custom":  # a custom transform may build the prompt: read through it
-            dataset = dataset.select_columns(["prompt"]).with_format(None)
+        if dataset.format["type"] != "custom":  # a custom transform may build the column: read through it
+            dataset = dataset.select_columns([column]).with_format(None)
         for batch in dataset.iter(batch_size=1000):
-            yield from batch["prompt"]
+            yield from batch[column]
         return
     for index in range(len(dataset)):
         row = dataset[index]
-        if not isinstance(row, dict) or "prompt" not in row:
+        if not isinstance(row, dict) or column not in row:
             found = list(row.keys()) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"The {split} dataset's row {index} has no 'prompt' (found {found}); every row needs one.")
-        yield row["prompt"]
+            raise ValueError(
+                f"The {split} dataset's row {index} has no '{column}' (found {found}); every row needs one."
+            )
+        yield row[column]
 
 
 def prompt_problem(prompt: Any, images_allowed: bool = False) -> tuple[str, str] | None:

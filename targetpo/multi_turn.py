@@ -23,8 +23,8 @@ from .tools import (
     INVALID_CALL_NAME,
     AsyncRunner,
     ConversationTemplate,
-    ToolCallLimits,
     Toolbox,
+    ToolCallLimits,
     ToolOutcome,
     environment_tools,
     run_tool_calls,
@@ -490,15 +490,16 @@ class EnvironmentPool:
         """Refuse an environment name that no factory has."""
         unknown = sorted({name for name in names if name is None or name not in self.factories}, key=str)
         if unknown:
+            missing = " (None: a row without the column)" if None in unknown else ""
             raise ValueError(
                 f"The `{ENVIRONMENT_COLUMN}` column of {where} names {unknown}, which environment_factory does not "
-                f"have; its environments are {self.names}."
+                f"have; its environments are {self.names}{missing}."
             )
 
     def start(self, rows: Sequence[dict[str, Any]]) -> tuple[list[Any], list[Any], list[Toolbox]]:
         """Reset one environment per row with the row's columns: the environments, the prompts (with the text each
         reset returned added to the last message) and each sample's tools, bound to its environment."""
-        names = [row[ENVIRONMENT_COLUMN] if self.named else None for row in rows]
+        names = [row.get(ENVIRONMENT_COLUMN) if self.named else None for row in rows]
         if self.named:
             self.check_names(names, "a rollout's rows")
         taken: dict[str | None, int] = {}

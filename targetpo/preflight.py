@@ -4,13 +4,14 @@ tools and reward functions. Each problem is a ValueError naming what is wrong an
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from datasets import Dataset
 
 from .config import GRPOConfig, TargetPOConfig
-from .data import check_streaming_supported, first_row, is_stream, validate_prompt_dataset
+from .data import check_streaming_supported, column_values, first_row, is_stream, validate_prompt_dataset
 from .modeling.loading import model_identifier
 from .modeling.logps import require_liger
 from .multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool
@@ -28,7 +29,9 @@ def resolve_config(model: Any, args: Any) -> TargetPOConfig:
         # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
         # trains the GRPO-family loss it names on this trainer's rollouts.
         warn_if_grpo_config_trains_another_loss(args)
-        return TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
+        with warnings.catch_warnings():  # the GRPOConfig said them already: its checks run again on the same values
+            warnings.simplefilter("ignore")
+            return TargetPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
     if not isinstance(args, TargetPOConfig):
         raise TypeError(f"`args` must be a TargetPOConfig (or a GRPOConfig), got {type(args).__name__}.")
     return args
@@ -123,6 +126,8 @@ def _check_reward_columns(split: str, columns: set[str], remove_unused_columns: 
     if remove_unused_columns:
         passed &= set(kept_columns(needs.environments))
         source += " with remove_unused_columns=True, which keeps only the prompt and the image column"
+        if needs.environments is not None and needs.environments.named:
+            source += " (and, with several environments, the environment column)"
     if needs.environments is not None:
         passed.add("environments")
     needs.check_reward_arguments(passed, source)
@@ -139,11 +144,7 @@ def _check_environment_column(split: str, dataset: Any, environments: Environmen
             f"the column (one of {environments.names} per row), or pass one environment factory."
         )
     if not is_stream(dataset):
-        if isinstance(dataset, Dataset):
-            names = dataset.unique(ENVIRONMENT_COLUMN)
-        else:
-            names = [row[ENVIRONMENT_COLUMN] for row in dataset]
-        environments.check_names(names, f"the {split} dataset")
+        environments.check_names(set(column_values(dataset, ENVIRONMENT_COLUMN, split)), f"the {split} dataset")
 
 
 def kept_columns(environments: EnvironmentPool | None) -> list[str]:

@@ -33,12 +33,10 @@ from .data import (
     RepeatSampler,
     RolloutRows,
     RolloutStream,
-    check_streaming_supported,
     identity_collator,
     is_stream,
     lookahead_use,
     stream_loader_settings,
-    validate_prompt_dataset,
 )
 from .distributed import check_engine_supported, failures_reach_every_process, prepare_frozen_model, shards_parameters
 from .generation import RolloutBackend, SamplingSettings
@@ -71,7 +69,7 @@ from .rollout.records import RolloutBatch
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
-from .tools import AsyncRunner, ConversationTemplate, ToolCallLimits, Toolbox
+from .tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from .vision import is_processor
 
 
@@ -125,8 +123,6 @@ class TargetPOTrainer(Trainer):
         args = resolve_config(model, args)
         check_run_settings(args, evaluates=eval_dataset is not None)
         reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
-        if train_dataset is None and self._environments is not None:  # the environments make up the prompts
-            train_dataset = prompts_from_environments(args, self._environments)
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
             reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
@@ -137,14 +133,14 @@ class TargetPOTrainer(Trainer):
         # A vision-language model's processor encodes prompts with images and renders them with its chat template.
         self._processor = processing_class if is_processor(processing_class) else None
         self._images_need = self._what_images_need()
-        needs = DatasetNeeds(
+        self._dataset_needs = DatasetNeeds(
             self._processor or self._tokenizer,
             self._images_need,
             multi_turn=self._tool_loop_needed,
             environments=self._environments,
             check_reward_arguments=self.reward_scorer.check_arguments if rollout_func is None else None,
         )
-        check_datasets(args, train_dataset, eval_dataset, needs)
+        check_datasets(args, train_dataset, eval_dataset, self._dataset_needs)
         # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
         self._prompt_limit = PromptLimit(
             args.max_prompt_length,
@@ -353,6 +349,8 @@ class TargetPOTrainer(Trainer):
         return RepeatSampler(len(eval_dataset), num_generations=self._group_size("eval"), shuffle=False)
 
     def get_train_dataloader(self):
+        if self.train_dataset is None and self._environments is not None:  # the environments make up the prompts
+            self.train_dataset = prompts_from_environments(self.args, self._environments)
         if self.train_dataset is None:
             raise ValueError("TargetPOTrainer: training requires a train_dataset.")
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
@@ -389,9 +387,7 @@ class TargetPOTrainer(Trainer):
             dataset = self.eval_dataset
         else:  # given to `evaluate()`, so not checked yet
             dataset = eval_dataset
-            validate_prompt_dataset(dataset, "eval", self._processor or self._tokenizer, self._images_need)
-            if is_stream(dataset):
-                check_streaming_supported(self.args, train_is_stream=False)
+            check_datasets(self.args, None, dataset, self._dataset_needs)
         self.args.check_eval_batch_size()
         if dataset is not None and is_stream(dataset):
             stream = RolloutStream(

@@ -10,6 +10,7 @@ from transformers import HfArgumentParser
 from targetpo import GRPOConfig, TargetPOConfig
 from targetpo.config import OneOf, Range, field_rules
 from targetpo.generation.sampling import SamplingSettings, resolve_generation_kwargs
+from targetpo.preflight import resolve_config
 from targetpo.regularisers import importance_sampling_applies
 
 
@@ -263,6 +264,11 @@ def test_vllm_settings_a_run_without_vllm_leaves_unused_are_named(tmp_path):
         warnings.simplefilter("error")
         config(tmp_path, use_vllm=True, vllm_server_port=8001)  # used
         config(tmp_path)  # nothing set
+    # A GRPOConfig the trainer converts says it once, not again when converted.
+    with pytest.warns(UserWarning) as caught:
+        resolve_config("model", GRPOConfig(output_dir=str(tmp_path), report_to="none", loss_type="tpo",
+                                           vllm_server_port=9000))
+    assert len([w for w in caught if "vllm_server_port" in str(w.message)]) == 1
 
 
 def resolved_settings(args):

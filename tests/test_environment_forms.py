@@ -112,7 +112,7 @@ def test_an_environment_named_nowhere_or_an_unnamed_row_is_refused_before_any_wo
                                          r"column, which it lacks"):
         qwen3_trainer(tmp_path, environments, two_environment_rows().remove_columns("environment"))
     with pytest.raises(ValueError, match=r"a train_dataset must name each row's environment"):
-        qwen3_trainer(tmp_path, environments, None)
+        qwen3_trainer(tmp_path, environments, None).train()
     with pytest.raises(ValueError, match=r"environment_factory\['counter'\]\) has no reset\(\) method"):
         qwen3_trainer(tmp_path, {"game": GuessingGame, "counter": object}, two_environment_rows())
 
@@ -152,8 +152,9 @@ def test_an_environment_that_owns_the_data_and_the_reward_trains_without_a_datas
 
 
 def test_without_a_dataset_max_steps_is_required_and_without_any_reward_source_the_trainer_says_so(tmp_path):
+    trainer = qwen3_trainer(tmp_path, MadeUpGame, max_steps=-1, num_train_epochs=1)  # evaluate() may still be wanted
     with pytest.raises(ValueError, match=r"No train_dataset: the environment makes up each prompt in reset.*max_steps"):
-        qwen3_trainer(tmp_path, MadeUpGame, max_steps=-1, num_train_epochs=1)
+        trainer.train()
 
     class Unscored:
         def reset(self, **row):
@@ -162,3 +163,17 @@ def test_without_a_dataset_max_steps_is_required_and_without_any_reward_source_t
     with pytest.raises(ValueError, match=r"No reward source: pass reward_funcs .* or an environment_factory whose "
                                          r"environments define get_reward\(\)"):
         qwen3_trainer(tmp_path, Unscored, two_environment_rows())
+
+
+def test_an_evaluate_only_trainer_needs_no_train_dataset_and_checks_what_evaluate_is_given(tmp_path):
+    environments = {"game": GuessingGame, "counter": Counter}
+    trainer = qwen3_trainer(tmp_path, environments, None, policy=qwen3_halving_search)  # no train_dataset: fine
+    games = two_environment_rows(("game",) * 4)
+    metrics = trainer.evaluate(games)
+    assert 0 <= metrics["eval_rewards/GuessingGame/mean"] <= 1
+    with pytest.raises(ValueError, match=r"each row of the eval dataset names its environment in an `environment` "
+                                         r"column, which it lacks"):
+        trainer.evaluate(games.remove_columns("environment"))
+    # A row that arrives without the column (a stream's are checked as they arrive) is named too.
+    with pytest.raises(ValueError, match=r"names \[None\].*\(None: a row without the column\)"):
+        trainer._environments.start(list(games.remove_columns("environment")))

@@ -392,6 +392,9 @@ def test_vllm_flags_without_use_vllm_are_named_in_a_warning_even_at_their_defaul
     with pytest.warns(UserWarning, match=r"--vllm_mode, --vllm_server_port ignored: they configure --use_vllm"):
         trainer = example.build_trainer([*QUICK, *flags])
     assert not trainer.args.use_vllm
+    with pytest.warns(UserWarning) as caught:  # a value off its default: named once, not by the config as well
+        example.build_trainer([*QUICK, "--vllm_server_port", "9000", "--output_dir", str(tmp_path)])
+    assert len([w for w in caught if "vllm_server_port" in str(w.message)]) == 1
 
 
 def test_help_opens_with_what_the_script_does_and_three_example_commands(tmp_path):
