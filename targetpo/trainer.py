@@ -117,7 +117,7 @@ class TargetPOTrainer(Trainer):
         optimizers: tuple[Any, Any] = (None, None),
         peft_config: Any = None,
         tools: Sequence[Callable] | None = None,
-        environment_factory: Callable[[], Any] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
         rollout_func: Callable[[list[Any], TargetPOTrainer], dict[str, Any]] | None = None,
     ):
         args = resolve_config(model, args)
