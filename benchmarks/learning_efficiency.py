@@ -17,6 +17,13 @@ With ``--task guess`` the task is the multi-turn guessing game (``targetpo.demo.
 halving guesses). TPO and the GRPO loss run paired, as above; the rollouts are multi-turn, tool tokens out of the loss.
 
     python benchmarks/learning_efficiency.py --task guess --steps 1000 --output docs/benchmarks/multi_turn_learning.json
+
+With ``--task lock`` it is the sparse multi-turn task (``targetpo.demo.Lock``): press the prompt's H bits in reverse
+order, one `press` tool call per key, every press answered "." and the reward 1 only for the whole code. TPO, the
+GRPO loss and the DAPO loss run paired on the same rollout code:
+
+    python benchmarks/learning_efficiency.py --task lock --lengths 4 --steps 600 --log_every 25 \\
+        --methods targetpo-tpo targetpo-grpo targetpo-dapo --seeds 0 1 2 3 4 --output docs/benchmarks/lock_learning.json
 """
 
 from __future__ import annotations
@@ -29,13 +36,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-METHODS = ("targetpo-tpo", "targetpo-grpo", "trl-grpo")
+METHODS = ("targetpo-tpo", "targetpo-grpo", "targetpo-dapo", "trl-grpo")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=("reverse", "guess"), default="reverse")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[6, 8], help="reverse: the string lengths H")
+    parser.add_argument("--task", choices=("reverse", "guess", "lock"), default="reverse")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[6, 8], help="reverse: string lengths; lock: keys")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--steps", type=int, default=1500)
@@ -81,6 +88,22 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
             train_dataset=reverse_task_dataset(length, num_prompts=4096, seed=seed),
             processing_class=tokenizer,
         )
+    elif args.task == "lock":
+        from targetpo.demo import Lock, digits_only_generation_kwargs, lock_dataset, lock_tokenizer
+
+        tokenizer = lock_tokenizer()
+        settings.update(
+            max_completion_length=4 * length + 4,  # every press, its tool turn, and the last turn
+            max_tool_calling_iterations=length,
+            generation_kwargs=digits_only_generation_kwargs(tokenizer, "01"),
+        )
+        common = dict(
+            model=build_tiny_causal_lm(tokenizer, seed=seed),
+            reward_funcs=None,  # the lock scores itself (get_reward)
+            train_dataset=lock_dataset(length, num_prompts=4096, seed=seed),
+            processing_class=tokenizer,
+            environment_factory=Lock,
+        )
     else:
         from targetpo.demo import GuessingGame, digits_only_generation_kwargs, guessing_dataset, guessing_tokenizer
 
@@ -103,7 +126,7 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
         # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
         trainer = GRPOTrainer(args=GRPOConfig(bf16=False, gradient_checkpointing=False, **settings), **common)
     else:
-        loss_type = "tpo" if method == "targetpo-tpo" else "grpo"
+        loss_type = method.removeprefix("targetpo-")
         trainer = TargetPOTrainer(args=TargetPOConfig(loss_type=loss_type, **settings), **common)
     trainer.train()
     return [[entry["step"], entry["reward"]] for entry in trainer.state.log_history if "reward" in entry]
@@ -133,7 +156,7 @@ def summarise(runs: list[dict], steps_per_log: int) -> list[dict]:
     return rows
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, args_task: str = "reverse") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,7 +164,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
     lengths = sorted({run["length"] for run in runs})
     figure, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4), squeeze=False)
-    colours = {"targetpo-tpo": "tab:blue", "targetpo-grpo": "tab:orange", "trl-grpo": "tab:green"}
+    colours = {"targetpo-tpo": "tab:blue", "targetpo-grpo": "tab:orange", "targetpo-dapo": "tab:red",
+               "trl-grpo": "tab:green"}
     for axis, length in zip(axes[0], lengths):
         for method in METHODS:
             chosen = [run for run in runs if run["length"] == length and run["method"] == method]
@@ -150,6 +174,8 @@ def plot(runs: list[dict], path: Path) -> None:
                 axis.plot(steps, rates, color=colours[method], alpha=0.8, label=method if index == 0 else None)
         if length == 0:
             axis.set_title("guess a hidden digit 0-7 with a tool, 3 calls (optimum 0.875)")
+        elif args_task == "lock":
+            axis.set_title(f"open a {length}-key lock, one tool call per key, reward at the end")
         else:
             axis.set_title(f"reverse a {length}-bit string (random: {2 ** -length:.4f})")
         axis.set_xlabel("optimiser step (128 completions each)")
@@ -167,6 +193,7 @@ def main() -> None:
     runs = json.loads(output.read_text())["runs"] if output.exists() else []
     if args.task == "guess":
         args.lengths = [0]  # one game: the runs are keyed H = 0
+    if args.task != "reverse":  # TRL's multi-turn environments take another form of task: left out
         args.methods = [method for method in args.methods if method != "trl-grpo"]
     if not args.plot_only:
         for length in args.lengths:
@@ -182,7 +209,7 @@ def main() -> None:
     for row in table:
         print(json.dumps(row))
     output.write_text(json.dumps({"settings": vars(args), "runs": runs, "summary": table}, indent=1))
-    plot(runs, output.with_suffix(".png"))
+    plot(runs, output.with_suffix(".png"), args.task)
 
 
 if __name__ == "__main__":

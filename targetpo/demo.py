@@ -3,8 +3,9 @@
 The task is the paper's terminal-reward one: reverse a binary string of length H. A completion earns 1 only when it is
 exactly the reversed string, so a random policy succeeds with probability 2**-H and most groups carry no signal.
 Only '0' and '1' may be emitted (:func:`binary_only_generation_kwargs`), so every completion has exactly H tokens.
-The multi-turn pieces: the guessing game (an environment whose tool the model calls) and a tokenizer whose chat
-template renders plain tool functions and their calls (docs/multi_turn.md's offline examples).
+The multi-turn pieces: the guessing game and the lock (environments whose tool the model calls; the lock's reward is
+as sparse as the reversal's) and a tokenizer whose chat template renders plain tool functions and their calls
+(docs/multi_turn.md's offline examples).
 
 Everything is built locally from a config: nothing is downloaded.
 """
@@ -175,10 +176,70 @@ def guessing_dataset(num_prompts: int = 4096, seed: int = 0) -> Dataset:
     )
 
 
-def digits_only_generation_kwargs(tokenizer: PreTrainedTokenizerFast) -> dict[str, list[int]]:
-    """Generation settings that let the model write only the game's digits and <eos>."""
-    allowed = {tokenizer.convert_tokens_to_ids(digit) for digit in GUESS_DIGITS} | {tokenizer.eos_token_id}
+def digits_only_generation_kwargs(
+    tokenizer: PreTrainedTokenizerFast, digits: str = GUESS_DIGITS
+) -> dict[str, list[int]]:
+    """Generation settings that let the model write only ``digits`` (the game's, by default) and <eos>."""
+    allowed = {tokenizer.convert_tokens_to_ids(digit) for digit in digits} | {tokenizer.eos_token_id}
     return {"suppress_tokens": [index for index in range(len(tokenizer)) if index not in allowed]}
+
+
+# ------------------------------------------------------------------------------------------------ the lock
+class Lock:
+    """A lock opened by pressing its H keys (each 0 or 1) one call at a time: the code is the prompt's bits reversed.
+
+    Every press is answered "." whatever it was, so nothing tells the model how it is doing until the end. The reward
+    is terminal and 0/1: whether the keys pressed, in order, are exactly the code. A sample that presses fewer keys,
+    or a wrong one, fails; the turn limit (H calls) stops it pressing more. With only '0', '1' and <eos> to write, a
+    random policy opens a 4-key lock about 1% of the time or less; a policy that has learned the reversal, always.
+    """
+
+    def reset(self, code: str, **row) -> None:
+        self.code = code
+        self.pressed = ""
+
+    def press(self, number: int) -> str:
+        """Press one key of the lock.
+
+        Args:
+            number: the key, 0 or 1.
+        """
+        if number not in (0, 1):
+            raise ValueError("press 0 or 1")
+        self.pressed += str(number)
+        return "."
+
+    def get_reward(self) -> float:
+        return 1.0 if self.pressed == self.code else 0.0
+
+
+#: How a turn reads for the lock: its digits are a call of ``press``; a turn with no text ends the sample.
+LOCK_RESPONSE_TEMPLATE = {
+    "start_anchor": "<assistant>",
+    "fields": {
+        "tool_calls": {
+            "content": "int",
+            "repeats": True,
+            "transform": {"type": "function", "function": {"name": "press", "arguments": {"number": "{content}"}}},
+        }
+    },
+}
+
+
+def lock_tokenizer() -> PreTrainedTokenizerFast:
+    """The guessing game's tokenizer and chat template, reading a turn's digits as a call of ``press``."""
+    tokenizer = guessing_tokenizer()
+    tokenizer.response_template = LOCK_RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def lock_dataset(keys: int, num_prompts: int = 4096, seed: int = 0) -> Dataset:
+    """One lock per row: the prompt shows ``keys`` random bits, the ``code`` column holds them reversed."""
+    rng = random.Random(seed)
+    shown = ["".join(rng.choice("01") for _ in range(keys)) for _ in range(num_prompts)]
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": bits}] for bits in shown], "code": [bits[::-1] for bits in shown]}
+    )
 
 
 # ------------------------------------------------------------------------------------------------ plain tool calls
