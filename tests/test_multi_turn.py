@@ -29,8 +29,11 @@ from targetpo.demo import (
     build_char_tokenizer,
     build_tiny_causal_lm,
     digits_only_generation_kwargs,
+    Lock,
     guessing_dataset,
     guessing_tokenizer,
+    lock_dataset,
+    lock_tokenizer,
 )
 from targetpo.generation import SamplingSettings, TransformersBackend
 from targetpo.multi_turn import ToolLoop
@@ -496,6 +499,48 @@ def test_tool_call_timeout_reaches_the_environments_tools_and_counts_as_a_failed
     failed = sum(answer.startswith("Error") for turn in answers for answer in turn)
     calls = sum(len(turn) for turn in answers)
     assert trainer.state.log_history[0]["tools/failure_frequency"] == pytest.approx(failed / calls)
+
+
+def test_the_lock_opens_only_for_the_prompts_bits_pressed_in_reverse_one_call_each(tmp_path):
+    lock = Lock()
+    for pressed, opened in (("1011", True), ("1101", False), ("101", False), ("10110", False)):
+        lock.reset(code="1011")
+        assert [lock.press(int(key)) for key in pressed] == ["."] * len(pressed)  # no press tells anything
+        assert lock.get_reward() == float(opened)
+    with pytest.raises(ValueError, match="press 0 or 1"):
+        lock.press(2)
+    dataset = lock_dataset(4, num_prompts=4, seed=1)  # one rollout: all four prompts, each 4 times
+    assert all(row["code"] == row["prompt"][0]["content"][::-1] for row in dataset)
+
+    def policy(reverse):
+        """Press the prompt's bits (reversed, or as shown) one turn each, then stop."""
+
+        def turn(context):
+            shown = context.split("<user>")[1][:4]
+            pressed = context.count("<tool>")
+            return (shown[::-1] if reverse else shown)[pressed] if pressed < 4 else ""
+
+        return turn
+
+    tokenizer = lock_tokenizer()
+    for reverse in (True, False):
+        trainer = TargetPOTrainer(
+            build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0),
+            None,
+            args=make_config(tmp_path / str(reverse), max_completion_length=30, max_tool_calling_iterations=4,
+                             per_device_train_batch_size=16, num_generations=4, max_steps=1,
+                             generation_kwargs=digits_only_generation_kwargs(tokenizer, "01")),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            environment_factory=Lock,
+        )
+        trainer.rollout_backend = ScriptedPolicy(tokenizer, policy(reverse))
+        trainer.train()
+        logs = trainer.state.log_history[0]
+        palindromes = sum(row["code"] == row["code"][::-1] for row in dataset) / 4
+        assert 0 < palindromes < 1, "the dataset must hold both kinds for the second run to mean anything"
+        assert logs["rewards/Lock/mean"] == (1.0 if reverse else palindromes)
+        assert logs["tools/call_frequency"] == 4 and logs["tools/failure_frequency"] == 0
 
 
 def test_environments_are_built_once_and_reset_for_every_rollout_and_an_async_get_reward_is_awaited(tmp_path):
