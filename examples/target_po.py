@@ -10,6 +10,12 @@ higher or lower, and earns 1 only if a guess hits within three calls:
 
     python examples/target_po.py --task guess
 
+The third is TPO's home ground, a sparse multi-turn task: the model opens a lock by pressing its keys (the prompt's
+bits reversed) one `press` tool call at a time; every press is answered "." and only the whole code earns 1, so a
+random policy almost never succeeds (--lock_keys, 4 by default):
+
+    python examples/target_po.py --task lock
+
 The embedded tasks bring their own defaults (learning rate, steps, batch, completion and prompt lengths, the
 vocabulary they may write), and these fill only the flags left out: a flag passed is used as given, whatever its value.
 Where a value defeats the task (a reverse-task --max_completion_length other than --reverse_length makes the exact
@@ -74,8 +80,10 @@ import dataclasses
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, BitsAndBytesConfig, HfArgumentParser, PreTrainedModel
@@ -83,13 +91,17 @@ from transformers import AutoTokenizer, BitsAndBytesConfig, HfArgumentParser, Pr
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.data import check_streaming_supported
 from targetpo.demo import (
+    GUESS_DIGITS,
     GuessingGame,
+    Lock,
     binary_only_generation_kwargs,
     build_tiny_causal_lm,
     digits_only_generation_kwargs,
     exact_reversal_reward,
     guessing_dataset,
     guessing_tokenizer,
+    lock_dataset,
+    lock_tokenizer,
     reverse_task_dataset,
     reverse_task_tokenizer,
 )
@@ -146,7 +158,29 @@ GUESS_DEFAULTS = dict(
     max_completion_length=20,
     max_tool_calling_iterations=3,
 )
-TASKS = ("reverse", "guess")
+#: The lock's settings on top of the embedded ones; its lengths follow --lock_keys (see task_defaults).
+LOCK_DEFAULTS = dict(output_dir="outputs/target_po-lock", max_steps=600, logging_steps=25)
+
+
+@dataclass(frozen=True)
+class Game:
+    """An embedded multi-turn task: the environment that plays and scores it, its tokenizer (whose response template
+    reads a turn's digits as a call), its prompts, the digits the model may write, and its settings."""
+
+    environment: type
+    tokenizer: Callable[[], Any]
+    dataset: Callable[[Any], Any]  # ScriptArguments -> Dataset
+    digits: str
+    defaults: dict
+
+
+GAMES = {
+    "guess": Game(GuessingGame, guessing_tokenizer, lambda args: guessing_dataset(args.num_prompts, seed=0),
+                  GUESS_DIGITS, GUESS_DEFAULTS),
+    "lock": Game(Lock, lock_tokenizer, lambda args: lock_dataset(args.lock_keys, args.num_prompts, seed=0), "01",
+                 LOCK_DEFAULTS),
+}
+TASKS = ("reverse", *GAMES)
 
 
 @dataclass
@@ -182,8 +216,9 @@ class ScriptArguments:
     task: str = field(
         default="reverse",
         metadata={
-            "help": "Embedded task: 'reverse' (reverse a binary string) or 'guess' (find a hidden digit with a tool, "
-            "over several turns).",
+            "help": "Embedded task: 'reverse' (reverse a binary string), 'guess' (find a hidden digit with a tool, "
+            "over several turns) or 'lock' (press a lock's keys, the prompt's bits reversed, one tool call each; "
+            "rewarded only at the end).",
             "choices": TASKS,
         },
     )
@@ -193,6 +228,10 @@ class ScriptArguments:
             "help": "Reverse task: length H of the binary strings, and so the default --max_completion_length (H) and "
             "--max_prompt_length (H + 1)."
         },
+    )
+    lock_keys: int = field(
+        default=4,
+        metadata={"help": "Lock task: the number of keys H, and so the turn limit (H presses) and the lengths."},
     )
     num_prompts: int = field(default=4096, metadata={"help": "Embedded tasks: number of prompts generated."})
 
@@ -301,7 +340,10 @@ class ModelArguments:
 
 
 #: Flags that select the embedded task's data, and those that select parts of --dataset_name's.
-EMBEDDED_TASK_FLAGS = ("task", "reverse_length", "num_prompts")
+EMBEDDED_TASK_FLAGS = ("task", "reverse_length", "lock_keys", "num_prompts")
+#: Flags that belong to one embedded task: what each sets, and the task.
+TASK_FLAGS = {"reverse_length": ("the length of the reverse task's strings", "reverse"),
+              "lock_keys": ("the number of the lock's keys", "lock")}
 DATASET_FLAGS = ("dataset_config", "dataset_train_split", "dataset_test_split")
 
 
@@ -322,11 +364,12 @@ def script_argument_problems(script_args: ScriptArguments, passed: set[str]) -> 
                 f"{', '.join(unused)}: these select parts of --dataset_name's dataset, and none was given (the "
                 "embedded task is built in memory, with one split). Pass --dataset_name or drop them."
             )
-        if script_args.task == "guess" and "reverse_length" in passed:
-            problems.append(
-                "--reverse_length sets the length of the reverse task's strings, and --task guess plays the guessing "
-                "game, which has none. Drop --reverse_length, or drop --task guess."
-            )
+        for flag, (what, task) in TASK_FLAGS.items():
+            if flag in passed and script_args.task != task:
+                problems.append(
+                    f"--{flag} sets {what}, and --task {script_args.task} plays another task, which has none. Drop "
+                    f"--{flag}, or use --task {task}."
+                )
     return problems
 
 
@@ -493,8 +536,12 @@ def task_defaults(script_args: ScriptArguments) -> dict:
     """The settings the embedded task brings for the flags left out; none with --dataset_name (the library's)."""
     if script_args.dataset_name is not None:
         return {}
-    if script_args.task == "guess":
-        return {**EMBEDDED_DEFAULTS, **GUESS_DEFAULTS}
+    if script_args.task == "lock":  # every press, its tool turn, and the last turn fit
+        keys = script_args.lock_keys
+        lengths = dict(max_completion_length=4 * keys + 4, max_tool_calling_iterations=keys)
+        return {**EMBEDDED_DEFAULTS, **LOCK_DEFAULTS, **lengths}
+    if script_args.task in GAMES:
+        return {**EMBEDDED_DEFAULTS, **GAMES[script_args.task].defaults}
     # Answers are exactly H characters ('0' and '1' only, no EOS); prompts are the H bits and '='.
     return {
         **EMBEDDED_DEFAULTS,
@@ -553,8 +600,8 @@ def task_generation_kwargs(script_args: ScriptArguments, tokenizer) -> dict:
     """The embedded task's vocabulary restriction (``suppress_tokens``); none with --dataset_name."""
     if script_args.dataset_name is not None:
         return {}
-    if script_args.task == "guess":
-        return digits_only_generation_kwargs(tokenizer)
+    if script_args.task in GAMES:
+        return digits_only_generation_kwargs(tokenizer, GAMES[script_args.task].digits)
     return binary_only_generation_kwargs(tokenizer)
 
 
@@ -616,8 +663,8 @@ def save_base_beside_adapter(trainer: TargetPOTrainer, base_model: PreTrainedMod
 def load_data(script_args: ScriptArguments):
     """The train and (optional) evaluation datasets: streams with --dataset_streaming."""
     if script_args.dataset_name is None:
-        if script_args.task == "guess":
-            dataset = guessing_dataset(script_args.num_prompts, seed=0)
+        if script_args.task in GAMES:
+            dataset = GAMES[script_args.task].dataset(script_args)
         else:
             dataset = reverse_task_dataset(script_args.reverse_length, script_args.num_prompts, seed=0)
         # Built in memory, so streamed offline: the same rows, read in order.
@@ -642,9 +689,9 @@ def build_trainer(argv: list[str]) -> TargetPOTrainer:
     script_args, training_args, model_args = parse_arguments(argv)
     passed = passed_flags(argv)
     embedded_task = script_args.dataset_name is None
-    guess_task = embedded_task and script_args.task == "guess"
-    names = script_args.reward_funcs or (["exact_reversal"] if embedded_task and not guess_task else None)
-    if not names and not guess_task:  # the game scores itself (GuessingGame.get_reward)
+    game = GAMES.get(script_args.task) if embedded_task else None
+    names = script_args.reward_funcs or (["exact_reversal"] if embedded_task and game is None else None)
+    if not names and game is None:  # a game scores itself (its environment's get_reward)
         raise SystemExit("error: --reward_funcs is required with --dataset_name (built-in names or reward-model ids).")
     if not embedded_task and script_args.model_name_or_path is None:
         raise SystemExit(
@@ -667,7 +714,7 @@ def build_trainer(argv: list[str]) -> TargetPOTrainer:
     base_model = None
     try:
         if script_args.model_name_or_path is None:
-            tokenizer = guessing_tokenizer() if guess_task else reverse_task_tokenizer()
+            tokenizer = game.tokenizer() if game is not None else reverse_task_tokenizer()
             model = adapt_built_model(build_tiny_causal_lm(tokenizer, seed=training_args.seed), model_args)
             if peft_config is not None:
                 base_model = copy.deepcopy(model)  # the adapters are injected into `model`; this stays the base
@@ -696,13 +743,13 @@ def build_trainer(argv: list[str]) -> TargetPOTrainer:
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            environment_factory=GuessingGame if guess_task else None,
+            environment_factory=game.environment if game is not None else None,
             peft_config=peft_config,
         )
     except OSError as error:  # a model, tokenizer or reward model that is neither on disk nor reachable
         raise SystemExit(f"error: {error}") from error
 
-    if embedded_task and not guess_task:
+    if embedded_task and game is None:
         # Saved with the model, so that a plain `generate` samples as the rollouts did (the trainer itself ignores a
         # checkpoint's generation_config): only '0' and '1', max_completion_length of them (H unless passed), with the
         # resolved sampling settings.

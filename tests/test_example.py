@@ -251,6 +251,18 @@ def test_default_demo_learns_the_sparse_task(tmp_path):
     assert end > 3 * start and end > 0.12, rewards
 
 
+def test_lock_task_presses_keys_with_the_tool_within_a_turn_limit_set_by_its_keys(tmp_path):
+    example = load_example()
+    trainer = example.build_trainer(["--task", "lock", "--lock_keys", "3", "--max_steps", "1", "--output_dir",
+                                     str(tmp_path / "run"), "--disable_tqdm", "true"])
+    assert trainer.args.max_tool_calling_iterations == 3 and trainer.args.max_completion_length == 16
+    assert trainer.args.output_dir == str(tmp_path / "run") and trainer.args.logging_steps == 25
+    assert trainer.reward_scorer.names == ["Lock"]  # the lock scores itself
+    prompts = [row["prompt"][0]["content"] for row in trainer.train_dataset]
+    assert len(prompts) == 4096 and all(len(bits) == 3 and set(bits) <= {"0", "1"} for bits in prompts)
+    assert [schema["function"]["name"] for schema in trainer._tool_schemas] == ["press"]
+
+
 def test_guess_task_plays_multi_turn_games_with_the_tool(tmp_path):
     example = load_example()
     trainer = example.main(
@@ -364,6 +376,9 @@ DATASET = ["--dataset_name", "no-such-org/no-such-data", "--model_name_or_path",
     [
         # 6 is --reverse_length's default: written on the command line, it is refused all the same.
         (["--task", "guess", "--reverse_length", "6"], "--reverse_length sets the length of the reverse task's"),
+        (["--task", "lock", "--reverse_length", "4"], "--reverse_length sets the length of the reverse task's"),
+        (["--task", "reverse", "--lock_keys", "4"], r"--lock_keys sets the number of the lock's keys, and --task "
+                                                    r"reverse plays another task"),
         (["--dataset_config", "small"], "--dataset_config: these select parts of --dataset_name's dataset"),
         (["--dataset_train_split", "train", "--dataset_test_split", "test"],
          "--dataset_train_split, --dataset_test_split: these select parts of --dataset_name's"),
