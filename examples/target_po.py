@@ -158,8 +158,14 @@ GUESS_DEFAULTS = dict(
     max_completion_length=20,
     max_tool_calling_iterations=3,
 )
-#: The lock's settings on top of the embedded ones; its lengths follow --lock_keys (see task_defaults).
+#: The lock's settings on top of the embedded ones; its lengths follow --lock_keys (lock_defaults).
 LOCK_DEFAULTS = dict(output_dir="outputs/target_po-lock", max_steps=600, logging_steps=25)
+
+
+def lock_defaults(script_args) -> dict:
+    """The lock's settings: H presses at most, and room for every press, its tool turn and the last turn."""
+    keys = script_args.lock_keys
+    return {**LOCK_DEFAULTS, "max_completion_length": 4 * keys + 4, "max_tool_calling_iterations": keys}
 
 
 @dataclass(frozen=True)
@@ -171,14 +177,14 @@ class Game:
     tokenizer: Callable[[], Any]
     dataset: Callable[[Any], Any]  # ScriptArguments -> Dataset
     digits: str
-    defaults: dict
+    defaults: Callable[[Any], dict]  # ScriptArguments -> the settings it brings
 
 
 GAMES = {
     "guess": Game(GuessingGame, guessing_tokenizer, lambda args: guessing_dataset(args.num_prompts, seed=0),
-                  GUESS_DIGITS, GUESS_DEFAULTS),
+                  GUESS_DIGITS, lambda args: GUESS_DEFAULTS),
     "lock": Game(Lock, lock_tokenizer, lambda args: lock_dataset(args.lock_keys, args.num_prompts, seed=0), "01",
-                 LOCK_DEFAULTS),
+                 lock_defaults),
 }
 TASKS = ("reverse", *GAMES)
 
@@ -536,12 +542,8 @@ def task_defaults(script_args: ScriptArguments) -> dict:
     """The settings the embedded task brings for the flags left out; none with --dataset_name (the library's)."""
     if script_args.dataset_name is not None:
         return {}
-    if script_args.task == "lock":  # every press, its tool turn, and the last turn fit
-        keys = script_args.lock_keys
-        lengths = dict(max_completion_length=4 * keys + 4, max_tool_calling_iterations=keys)
-        return {**EMBEDDED_DEFAULTS, **LOCK_DEFAULTS, **lengths}
     if script_args.task in GAMES:
-        return {**EMBEDDED_DEFAULTS, **GAMES[script_args.task].defaults}
+        return {**EMBEDDED_DEFAULTS, **GAMES[script_args.task].defaults(script_args)}
     # Answers are exactly H characters ('0' and '1' only, no EOS); prompts are the H bits and '='.
     return {
         **EMBEDDED_DEFAULTS,
