@@ -209,6 +209,9 @@ def identity_collator(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 ROLLOUT_USE = "__rollout_use__"
 #: Key under which a training row carries the row at its place in the next rollout (asynchronous rollouts), or None.
 UPCOMING_ROW = "__upcoming_row__"
+#: Key under which rows read for asynchronous rollouts carry their index in the dataset (this row's, and the upcoming
+#: row's): episodes played ahead are used only for the rows they were played for.
+ROW_INDEX = "__row_index__"
 
 
 class RolloutRows(torch.utils.data.Dataset):
@@ -229,7 +232,8 @@ class RolloutRows(torch.utils.data.Dataset):
         index, use, *upcoming = key
         row = _tagged(self.dataset[index], use)
         if upcoming:
-            row[UPCOMING_ROW] = self.dataset[upcoming[0]] if upcoming[0] >= 0 else None
+            row[ROW_INDEX] = index
+            row[UPCOMING_ROW] = {**self.dataset[upcoming[0]], ROW_INDEX: upcoming[0]} if upcoming[0] >= 0 else None
         return row
 
 

@@ -10,6 +10,7 @@ a sample cut by that limit, or still calling tools after ``max_tool_calling_iter
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -87,6 +88,14 @@ class ToolLoop:
         self.eos_token_ids = set(int(token) for token in eos_token_ids)
         self.pad_token_id = pad_token_id
         self.runner = runner if runner is not None else AsyncRunner()  # runs async tools
+
+    def for_another_thread(self) -> ToolLoop:
+        """A copy to play episodes with on another thread: a tokenizer of its own (a fast tokenizer used from two
+        threads at once can refuse), the same tools, limits and event loop."""
+        twin, template = copy.copy(self), copy.copy(self.template)
+        template.tokenizer = twin.tokenizer = copy.deepcopy(self.tokenizer)
+        twin.template = template
+        return twin
 
     def run(
         self,
@@ -393,9 +402,7 @@ def _per_token(value: Any, key: str, completion_ids: list[list[int]], default: A
     return lists
 
 
-def check_multi_turn_arguments(
-    tools: Sequence[Callable], environment_factory: Any, rollout_func: Any, args: Any
-) -> None:
+def check_multi_turn_arguments(tools: Sequence[Callable], environment_factory: Any, rollout_func: Any) -> None:
     """Refuse impossible combinations of tools, environments and ``rollout_func`` before any work."""
     for tool in tools:
         if not callable(tool):
@@ -408,12 +415,10 @@ def check_multi_turn_arguments(
                 "rollout_func replaces the trainer's generation, tool loop included: pass tools and environments to "
                 "your own loop instead of to the trainer, or drop rollout_func."
             )
-    if (tools or environment_factory is not None or rollout_func is not None) and args.async_rollouts:
-        raise ValueError(
-            "async_rollouts=True is not supported with tools, environment_factory or rollout_func: a multi-turn "
-            "rollout runs tools between its turns in the training process. Set async_rollouts=False."
-        )
 
+
+#: The environment lanes: the rollout made now (and evaluation), and the one played ahead (``async_rollouts``).
+NOW, AHEAD = "now", "ahead"
 
 #: The dataset column that names each row's environment when ``environment_factory`` is a dict of factories.
 ENVIRONMENT_COLUMN = "environment"
@@ -460,14 +465,15 @@ class EnvironmentPool:
             raise ValueError("environment_factory is an empty dict: give at least one name and factory.")
         self.tools = list(tools)
         self.factories: dict[str | None, Callable[[], Any]] = {}
-        self._pools: dict[str | None, list[tuple[Any, Toolbox]]] = {}
+        # Per lane and name: the rollout made now and the one played ahead (async_rollouts) never share an object.
+        self._pools: dict[tuple[str, str | None], list[tuple[Any, Toolbox]]] = {}
         self.rewards: list[EnvironmentReward] = []
         schemas: dict[str, dict[str, Any]] = {}
         kinds_with_reward: list[type] = []
         for name, make in factories.items():
             probe = _probe_environment(name, make)
-            self.factories[name], self._pools[name] = make, []
-            toolbox = self._add(name, probe)
+            self.factories[name] = make
+            toolbox = self._add(NOW, name, probe)
             for schema in toolbox.schemas:  # every tool any environment shows, for reading the model's calls
                 schemas.setdefault(schema["function"]["name"], schema)
             kind = type(probe)
@@ -481,9 +487,9 @@ class EnvironmentPool:
         """The environments' names, when a dict of factories gave them."""
         return [name for name in self.factories if name is not None]
 
-    def _add(self, name: str | None, environment: Any) -> Toolbox:
+    def _add(self, lane: str, name: str | None, environment: Any) -> Toolbox:
         toolbox = Toolbox(self.tools + environment_tools(environment))
-        self._pools[name].append((environment, toolbox))
+        self._pools.setdefault((lane, name), []).append((environment, toolbox))
         return toolbox
 
     def check_names(self, names: Any, where: str) -> None:
@@ -496,9 +502,10 @@ class EnvironmentPool:
                 f"have; its environments are {self.names}{missing}."
             )
 
-    def start(self, rows: Sequence[dict[str, Any]]) -> tuple[list[Any], list[Any], list[Toolbox]]:
+    def start(self, rows: Sequence[dict[str, Any]], lane: str = NOW) -> tuple[list[Any], list[Any], list[Toolbox]]:
         """Reset one environment per row with the row's columns: the environments, the prompts (with the text each
-        reset returned added to the last message) and each sample's tools, bound to its environment."""
+        reset returned added to the last message) and each sample's tools, bound to its environment. ``lane``
+        (``NOW`` or ``AHEAD``) keeps the environments of a rollout played ahead apart from those in use meanwhile."""
         names = [row.get(ENVIRONMENT_COLUMN) if self.named else None for row in rows]
         if self.named:
             self.check_names(names, "a rollout's rows")
@@ -506,9 +513,10 @@ class EnvironmentPool:
         environments, toolboxes = [], []
         for name in names:
             index = taken[name] = taken.get(name, -1) + 1
-            if index == len(self._pools[name]):
-                self._add(name, self.factories[name]())
-            environment, toolbox = self._pools[name][index]
+            pool = self._pools.get((lane, name), [])
+            if index == len(pool):
+                self._add(lane, name, self.factories[name]())
+            environment, toolbox = self._pools[(lane, name)][index]
             environments.append(environment)
             toolboxes.append(toolbox)
         prompts = [

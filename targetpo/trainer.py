@@ -29,6 +29,7 @@ from .config import TargetPOConfig
 from .data import (
     NEEDS_PROCESSOR,
     ROLLOUT_USE,
+    ROW_INDEX,
     UPCOMING_ROW,
     RepeatSampler,
     RolloutRows,
@@ -185,7 +186,7 @@ class TargetPOTrainer(Trainer):
         own reward joined."""
         self.tools = list(tools or [])
         self.rollout_func = rollout_func
-        check_multi_turn_arguments(self.tools, environment_factory, rollout_func, args)
+        check_multi_turn_arguments(self.tools, environment_factory, rollout_func)
         self._toolbox = Toolbox(self.tools)  # the tools of every sample, when there is no environment
         self._async_runner = AsyncRunner()  # async tools and rewards; its thread starts on first use
         self._environments = (
@@ -269,6 +270,8 @@ class TargetPOTrainer(Trainer):
             self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
         self._rollout_source = rollout_source(self)  # text or images, tools or environments, or rollout_func
         self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
+        if args.async_rollouts and self._rollout_source.plays_episodes:
+            self._scheduler.check_plays_ahead()  # every process's own connection, opened now
         self._rollout_count = 0
         self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
         self._completion_table: RolloutTable | None = None
@@ -409,7 +412,7 @@ class TargetPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         # With remove_unused_columns=True only what rollouts themselves read is kept.
         if self._signature_columns is None:
-            self._signature_columns = [*kept_columns(self._environments), ROLLOUT_USE, UPCOMING_ROW]
+            self._signature_columns = [*kept_columns(self._environments), ROLLOUT_USE, UPCOMING_ROW, ROW_INDEX]
 
     def train(self, *args: Any, **kwargs: Any):
         self._scheduler.buffer = None  # a (resumed) run starts with a fresh rollout

@@ -661,7 +661,6 @@ def test_two_processes_play_their_own_number_of_turns_and_log_the_metrics_of_eve
     "problem, message",
     [
         (dict(tools=[add], string_prompts=True), "conversational train dataset"),
-        (dict(tools=[add], async_rollouts=True), "async_rollouts=True is not supported"),
         (dict(tools=[add], rollout_func=lambda prompts, trainer: {}), "rollout_func replaces"),
         (dict(tools=[lambda x: x]), "cannot be described to the model"),
         (dict(environment_factory=lambda: object()), "has no reset() method"),
@@ -675,12 +674,8 @@ def test_impossible_multi_turn_setups_are_refused_before_any_work(tmp_path, prob
     if problem.pop("plain_template", False):
         tokenizer.chat_template = HERMES_TEMPLATE.replace("<tool_call>", "[").replace("</tool_call>", "]")
     prompts = ["q1", "q2"] if problem.pop("string_prompts", False) else [user("q1"), user("q2")]
-    overrides = {"async_rollouts": True, "use_vllm": True} if problem.pop("async_rollouts", False) else {}
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
-        args = make_config(tmp_path, **overrides) if not overrides else None
-        if args is None:
-            # async_rollouts needs a server configuration to be accepted by the config itself
-            args = make_config(tmp_path, use_vllm=True, vllm_mode="server", async_rollouts=True)
+        args = make_config(tmp_path)
         TargetPOTrainer(
             build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128),
             lambda completions, **kwargs: [0.0] * len(completions),

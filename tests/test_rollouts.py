@@ -13,7 +13,7 @@ from conftest import count_letters_reward, make_config
 from datasets import Dataset
 
 from targetpo import TargetPOTrainer
-from targetpo.data import UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
+from targetpo.data import ROW_INDEX, UPCOMING_ROW, RepeatSampler, RolloutRows, lookahead_use
 from targetpo.generation import (
     Completions,
     PendingCompletions,
@@ -75,7 +75,8 @@ def test_the_look_ahead_sampler_names_the_next_rollouts_rows_in_place_across_epo
     assert [key[2] for key in rollouts[-1][4:]] == [key[0] for key in list(plain)[:4]]
 
     rows = RolloutRows([{"prompt": f"p{index}"} for index in range(6)])
-    assert rows[(4, 1, 2)][UPCOMING_ROW] == {"prompt": "p2"} and rows[(4, 0, -1)][UPCOMING_ROW] is None
+    assert rows[(4, 1, 2)][UPCOMING_ROW] == {"prompt": "p2", ROW_INDEX: 2} and rows[(4, 0, -1)][UPCOMING_ROW] is None
+    assert rows[(4, 1, 2)][ROW_INDEX] == 4 and ROW_INDEX not in rows[(4, 1)]  # rows read without lookahead
 
 
 def test_async_rollout_settings_are_checked(tmp_path):

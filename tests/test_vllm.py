@@ -513,6 +513,220 @@ def test_multi_turn_rollouts_through_the_server_with_two_training_processes(tmp_
         assert_multi_turn_rollouts_match_the_engine(json.loads((tmp_path / f"history_rank{rank}.json").read_text()))
 
 
+class RecordedTurns:
+    """Every request the server answered: its context, the tokens it wrote, their weight versions, and the thread
+    that sent it."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from targetpo.generation.vllm_server import VLLMServerClient
+
+        self.turns, lock, original = [], threading.Lock(), VLLMServerClient.generate
+
+        def recording_generate(client, prompts, *args, **kwargs):
+            outputs = original(client, prompts, *args, **kwargs)
+            with lock:
+                for prompt, output in zip(prompts, outputs):
+                    self.turns.append((list(prompt), output["token_ids"], output["weight_versions"],
+                                       threading.current_thread().name))
+            return outputs
+
+        monkeypatch.setattr(VLLMServerClient, "generate", recording_generate)
+
+    def of_sample(self, prompt, completion):
+        """The turns of one sample: (start, end) in its completion and the versions that wrote them, None where
+        samples of the same group wrote the same tokens with other versions."""
+        sequence = prompt + completion
+        spans = {}
+        for context, tokens, versions, _ in self.turns:
+            end = len(context) + len(tokens)
+            if len(context) >= len(prompt) and sequence[:end] == context + tokens:
+                spans.setdefault((len(context) - len(prompt), end - len(prompt)), set()).add(tuple(versions))
+        return [(start, end, next(iter(seen)) if len(seen) == 1 else None) for (start, end), seen in spans.items()]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_async_multi_turn_rollouts_play_ahead_and_correct_each_turn(tmp_path, served, monkeypatch):
+    """With async_rollouts and an environment, the next rollout's episodes (turns and tool calls) are played on a
+    thread of their own while the current one trains (staleness 1). Per turn: each token's sampling log-prob is that
+    of the weights that wrote it; p_old (so q) is the policy when the rollout is trained on; each token's importance
+    weight is min(p_old / p_sampler, cap)."""
+    import copy
+
+    from vllm_workers import multi_turn_trainer
+
+    recorded = RecordedTurns(monkeypatch)
+    trainer = multi_turn_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True, max_steps=4))
+    snapshots, used = {0: copy.deepcopy(trainer.model)}, []
+    original_loss = TargetPOTrainer.compute_loss
+
+    def recording_loss(self, model, inputs, *args, **kwargs):
+        loss = original_loss(self, model, inputs, *args, **kwargs)  # q is built in the loss, at the first use
+        used.append((self.state.global_step, {k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)}))
+        return loss
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots[state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
+
+    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    trainer.add_callback(Snapshot())
+    trainer.train()
+
+    # The first rollout is played by the training thread (its requests sent by the shared connection's thread), every
+    # later one ahead, on the episodes' thread, 64 samples x 3 turns each (and the fifth, ahead of a step never run).
+    threads = [name.split("_")[0] for *_, name in recorded.turns]
+    assert threads.count("targetpo-rollouts") == 64 * 3 and threads.count("targetpo-episodes") >= 3 * 64 * 3
+    staleness = logged(trainer, "rollout/staleness_max")
+    assert len(staleness) == 4 and staleness[0] == 0 and max(staleness) == 1 and set(staleness) <= {0, 1}
+    assert all(calls == 2 for calls in logged(trainer, "tools/call_frequency"))  # both rounds of calls, every rollout
+    args, checked, mixed = trainer.args, 0, 0
+    suppressed = args.generation_kwargs["suppress_tokens"]
+    for step, batch in used:
+        inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+        mask = batch["completion_mask"]
+        with torch.no_grad():
+            anchor, _ = ref.token_logps(snapshots[step], *inputs, args.temperature, suppressed)
+        q = ref.targets(ref.sequence_logps(anchor, mask.float(), True), batch["advantages"].double(), batch["valid"],
+                        args.num_generations, args.tpo_target_temperature)
+        torch.testing.assert_close(batch["targets"].double(), q, atol=1e-5, rtol=1e-4)
+        expected = torch.where(mask.bool(), (anchor - batch["sampler_per_token_logps"]).exp().clamp(max=2.0), 1.0)
+        torch.testing.assert_close(batch["importance_weights"], expected, atol=1e-4, rtol=1e-4)
+        for row in range(len(mask)):
+            prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+            completion = batch["completion_ids"][row][batch["completion_attention_mask"][row].bool()].tolist()
+            spans = recorded.of_sample(prompt, completion)
+            assert len(spans) == 3, spans  # the sample's three turns, each found as the server wrote it
+            mixed += len({versions for *_, versions in spans if versions is not None}) > 1
+            for start, end, versions in spans:
+                if versions is None or len(set(versions)) != 1:
+                    continue
+                version = int(versions[0])
+                with torch.no_grad():
+                    written, _ = ref.token_logps(snapshots[version], *[x[row : row + 1] for x in inputs],
+                                                 args.temperature, suppressed)
+                torch.testing.assert_close(batch["sampler_per_token_logps"][row, start:end], written[0, start:end],
+                                           atol=1e-4, rtol=1e-4)
+                checked += 1 if version < step else 0
+    assert checked > 0, "some turns must have been written wholly by older weights"
+    assert mixed > 0, "some samples must have turns written by different weights"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_async_multi_turn_rollouts_with_two_training_processes(tmp_path, served):
+    """Each process plays its own samples' episodes ahead on its own connection, with no collective off the training
+    thread: both processes train every step on rollouts one step stale, and log the same metrics."""
+    from vllm_workers import multi_turn_server_worker
+
+    overrides = {"async_rollouts": True, "max_steps": 3}
+    mp.spawn(multi_turn_server_worker, args=(2, free_port(), served, str(tmp_path), overrides), nprocs=2, join=True)
+    histories = [json.loads((tmp_path / f"history_rank{rank}.json").read_text()) for rank in range(2)]
+    for history in histories:
+        rollouts = [entry for entry in history if "tools/call_frequency" in entry]
+        assert [entry["rollout/staleness_max"] for entry in rollouts] == [0, 1, 1]
+        assert all(entry["tools/call_frequency"] == 2 and entry["multi_turn/turns_per_sample"] == 3 for entry in rollouts)
+    metrics = ("reward", "loss", "rollout/staleness_mean", "vllm/logp_abs_diff")
+    assert [[entry.get(name) for name in metrics] for entry in histories[0]] == [
+        [entry.get(name) for name in metrics] for entry in histories[1]
+    ]
+
+
+def two_turn_rollout_func(calls):
+    """A rollout_func of two turns of two bits with a tool token "=" between them, sampled by
+    ``trainer.rollout_backend``; it records which thread ran it and with which backend."""
+    import threading
+
+    from targetpo.multi_turn import left_pad
+
+    def rollout_func(prompts, trainer):
+        tokenizer, backend = trainer.processing_class, trainer.rollout_backend
+        calls.append((threading.current_thread().name, type(backend).__name__))
+        contexts = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+        completions = [[] for _ in prompts]
+        masks, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+        equals = tokenizer.convert_tokens_to_ids("=")
+        for turn in range(2):
+            ids, mask = left_pad([context + completion for context, completion in zip(contexts, completions)],
+                                 tokenizer.pad_token_id, "cpu")
+            generated = backend.generate(ids, mask, max_new_tokens=2)
+            for row, completion in enumerate(completions):
+                tokens = generated.ids[row, :2].tolist()
+                completion += tokens + ([equals] if turn == 0 else [])
+                masks[row] += [1, 1] + ([0] if turn == 0 else [])
+                logprobs[row] += generated.sampler_logps[row, :2].tolist() + ([0.0] if turn == 0 else [])
+        return {"prompt_ids": contexts, "completion_ids": completions, "env_mask": masks, "logprobs": logprobs}
+
+    return rollout_func
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_async_rollout_func_runs_ahead_on_its_own_connection_and_its_log_probs_correct_each_turn(
+    tmp_path, served, monkeypatch
+):
+    """With async_rollouts, rollout_func runs ahead on a thread of its own while the current rollout trains; there
+    ``trainer.rollout_backend`` is this process's own connection. The log-probs it returns, turn by turn, are the
+    sampling log-probs the importance weights use."""
+    import copy
+
+    calls, used = [], []
+    trainer = make_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True, max_steps=3),
+                           rollout_func=two_turn_rollout_func(calls))
+    snapshots = {}
+    original_loss = TargetPOTrainer.compute_loss
+
+    def recording_loss(self, model, inputs, *args, **kwargs):
+        snapshots.setdefault(self.state.global_step, copy.deepcopy(self.accelerator.unwrap_model(model)))
+        loss = original_loss(self, model, inputs, *args, **kwargs)  # the importance weights are made in the loss
+        used.append({key: value.clone() for key, value in inputs.items() if torch.is_tensor(value)})
+        return loss
+
+    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    trainer.train()
+    assert calls[0] == ("MainThread", "VLLMServerBackend")
+    assert all(name.startswith("targetpo-episodes") and kind == "ServerRequests" for name, kind in calls[1:3])
+    args = trainer.args
+    for step, batch in enumerate(used):
+        inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+        mask = batch["completion_mask"]
+        assert mask.sum(1).eq(4).all() and mask[:, 2].eq(0).all()  # the tool token is not the model's
+        with torch.no_grad():
+            anchor, _ = ref.token_logps(snapshots[step], *inputs, args.temperature,
+                                        args.generation_kwargs["suppress_tokens"])
+        expected = torch.where(mask.bool(), (anchor - batch["sampler_per_token_logps"]).exp().clamp(max=2.0), 1.0)
+        torch.testing.assert_close(batch["importance_weights"], expected, atol=1e-4, rtol=1e-4)
+    assert max(logged(trainer, "vllm/logp_abs_diff")[1:]) > 1e-3  # later rollouts were sampled by older weights
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_async_episodes_need_a_backend_that_gives_each_process_its_own_connection(tmp_path, served):
+    from vllm_workers import multi_turn_trainer
+
+    from targetpo.generation import RolloutBackend
+
+    class Shared(RolloutBackend):
+        collective = True
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def generate(self, *args, **kwargs):
+            return self.inner.generate(*args, **kwargs)
+
+    trainer = multi_turn_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True, max_steps=2))
+    trainer.rollout_backend = Shared(trainer.rollout_backend)
+    with pytest.raises(ValueError, match=r"which Shared does not give \(`for_this_process\(\)` returns None\)"):
+        trainer.train()
+    trainer.close()
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm

@@ -128,10 +128,10 @@ def multi_turn_trainer(args):
     )
 
 
-def multi_turn_server_worker(rank, world_size, port, base_url, out_dir):
+def multi_turn_server_worker(rank, world_size, port, base_url, out_dir, overrides=None):
     """Train the multi-turn task through the server; save the log history."""
     join_world(rank, world_size, port)
-    trainer = multi_turn_trainer(server_config(out_dir, base_url, world_size, max_steps=2))
+    trainer = multi_turn_trainer(server_config(out_dir, base_url, world_size, **{"max_steps": 2, **(overrides or {})}))
     trainer.train()
     with open(os.path.join(out_dir, f"history_rank{rank}.json"), "w") as file:
         json.dump(trainer.state.log_history, file)

@@ -207,6 +207,19 @@ class RolloutBackend:
         else may change the weights meanwhile."""
         yield
 
+    def for_this_process(self) -> RolloutBackend | None:
+        """A backend this process alone generates with, from a thread of its own, beside training and the other
+        processes (rollouts played ahead: ``async_rollouts`` with tools, environments or ``rollout_func``). It samples
+        with this backend's weights, which :meth:`sync_weights` keeps pushing; None where every generation is made
+        together by all processes or beside nothing."""
+        return None
+
+    def start_playing(self, seed: int) -> None:
+        """A backend from :meth:`for_this_process`: ready for a new rollout's episodes, sampled from ``seed``."""
+
+    def cancel(self) -> None:
+        """A backend from :meth:`for_this_process`: stop generating; the call under way and every later one raise."""
+
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Give the engine the policy's current weights (``model`` holds them in full); ``version`` names them (the
         optimiser step). Called on every process, at most once per optimiser step, before the weights are needed."""

@@ -249,6 +249,15 @@ class VLLMServerClient:
         }
 
 
+def server_prompts(prompts: list[list[int]], images: PromptImages | None) -> tuple[list[list[int]], list[list[str]]]:
+    """The token ids the server is sent for each prompt, and each prompt's images as data URLs: rows with images go
+    as their unexpanded ids, which the server expands."""
+    if images is None:
+        return prompts, [[] for _ in prompts]
+    ids = [unexpanded if urls else prompt for prompt, unexpanded, urls in zip(prompts, images.unexpanded_ids, images.images)]
+    return ids, [[image_data_url(image) for image in row_images] for row_images in images.images]
+
+
 #: PIL image modes PNG stores as they are; others (CMYK, YCbCr, 32-bit) go as RGB, which processors convert them to.
 PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")
 
@@ -324,6 +333,7 @@ class VLLMServerBackend(RolloutBackend):
         self.fields = settings.vllm_fields()
         make_sampling_params(self.fields, seed=None)  # the server ignores fields it does not know: refuse them here
         self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
         self.transfer_backend = _transfer_backend(transfer_backend)
         self.packed_buffer_bytes = packed_buffer_bytes
         self.client: VLLMServerClient | None = None
@@ -332,6 +342,9 @@ class VLLMServerBackend(RolloutBackend):
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []
         self._requests_made = 0
+        self._own_requests: ServerRequests | None = None  # this process's requests sent beside the others
+        # True once any process may send requests of its own, which the main process cannot see in flight.
+        self._processes_send_requests = False
         with failures_reach_every_process("connecting to the vLLM server", accelerator.device):
             if accelerator.is_main_process:
                 self.client = VLLMServerClient(base_url, timeout)
@@ -351,16 +364,10 @@ class VLLMServerBackend(RolloutBackend):
         max_new_tokens: int | None = None,
         images: PromptImages | None = None,
     ) -> PendingCompletions:
-        prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        expanded = prompts
-        image_urls: list[list[str]] = [[] for _ in prompts]
-        if images is not None:  # rows with images go as their unexpanded ids; the server expands them
-            prompts = [
-                ids if urls else prompt for prompt, ids, urls in zip(prompts, images.unexpanded_ids, images.images)
-            ]
-            # An image PNG cannot hold fails here, on every process, before the gathers below.
-            with failures_reach_every_process("encoding the images for the vLLM server", prompt_ids.device):
-                image_urls = [[image_data_url(image) for image in row_images] for row_images in images.images]
+        expanded = unpadded_prompts(prompt_ids, prompt_mask)
+        # An image PNG cannot hold fails here, on every process, before the gathers below.
+        with failures_reach_every_process("encoding the images for the vLLM server", prompt_ids.device):
+            prompts, image_urls = server_prompts(expanded, images)
         # One seed per row from each process's generator: distinct samples, reproducible from the run's seed.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         # Processes may send different numbers of rows (multi-turn rollouts), each with its own length limit.
@@ -398,6 +405,16 @@ class VLLMServerBackend(RolloutBackend):
         expected = (all_expanded, with_images) if any(with_images) else None
         return _PendingServerCompletions(self, future, local, prompt_ids.device, expected)
 
+    def for_this_process(self) -> ServerRequests:
+        """This process's own connection to the server, for episodes played ahead in a thread (no collectives). Called
+        on every process: from then on every weight push pauses the server, since requests of other processes may be
+        in flight."""
+        if self._own_requests is None:
+            rank = self.accelerator.process_index
+            self._own_requests = ServerRequests(self.base_url, self.timeout, self.settings, f"targetpo-p{rank}")
+            self._processes_send_requests = True
+        return self._own_requests
+
     # ------------------------------------------------------------------------------------------ weights
     def sync_weights(self, model: nn.Module, version: int) -> None:
         with failures_reach_every_process("pushing the weights to the vLLM server", self.accelerator.device):
@@ -407,7 +424,9 @@ class VLLMServerBackend(RolloutBackend):
     def _push(self, model: nn.Module, version: int) -> None:
         if self._transfer is None:
             self._transfer = self._open_transfer()
-        generating = any(not future.done() for future in self._in_flight)
+        # Paused also with nothing in flight here while processes send requests of their own: a request arriving
+        # mid-push would otherwise be sampled from half-replaced weights. New requests wait for the resume.
+        generating = self._processes_send_requests or any(not future.done() for future in self._in_flight)
         if generating:
             self.client.pause()
         try:
@@ -449,6 +468,9 @@ class VLLMServerBackend(RolloutBackend):
             ) from error
 
     def close(self) -> None:
+        if self._own_requests is not None:
+            self._own_requests.close()
+            self._own_requests = None
         if not self.accelerator.is_main_process:
             return
         for future in self._in_flight:
@@ -463,6 +485,65 @@ class VLLMServerBackend(RolloutBackend):
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+class ServerRequests(RolloutBackend):
+    """One process's own requests to the server, from one thread at a time, beside training and the other processes:
+    no collectives, so it can play a rollout's episodes ahead (``async_rollouts`` with tools, environments or
+    ``rollout_func``). The server's weights are the ones :class:`VLLMServerBackend` pushes; each token is labelled
+    with the version that wrote it. :meth:`cancel` stops the call in flight and every later one."""
+
+    takes_images = True
+
+    def __init__(self, base_url: str, timeout: float, settings: SamplingSettings, request_prefix: str):
+        self.settings = settings
+        self.fields = settings.vllm_fields()
+        self.client = VLLMServerClient(base_url, timeout)
+        self.request_prefix = request_prefix  # request ids unique across processes
+        self.generator = torch.Generator()
+        self._cancellation = Cancellation()
+        self._requests_made = 0
+
+    def start_playing(self, seed: int) -> None:
+        """Ready for a new rollout's episodes, sampled from ``seed`` (drawn by the training thread, so a run's
+        samples follow from its seed)."""
+        self.generator.manual_seed(seed)
+        self._cancellation = Cancellation()
+
+    def cancel(self) -> None:
+        self._cancellation.cancel()
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        images: PromptImages | None = None,
+    ) -> Completions:
+        if self._cancellation.cancelled:
+            raise GenerationCancelled("The episodes played ahead were cancelled.")
+        expanded = unpadded_prompts(prompt_ids, prompt_mask)
+        prompts, image_urls = server_prompts(expanded, images)
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        first, self._requests_made = self._requests_made, self._requests_made + len(prompts)
+        request_ids = [f"{self.request_prefix}-{number}" for number in range(first, first + len(prompts))]
+        fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
+        outputs = self.client.generate(prompts, fields, seeds, request_ids, self._cancellation, image_urls)
+        with_images = [bool(urls) for urls in image_urls]
+        if any(with_images):
+            check_expanded_prompts(expanded, [output["prompt_token_ids"] for output in outputs], with_images)
+        return pad_completions(
+            [output["token_ids"] for output in outputs],
+            [output["logprobs"] for output in outputs],
+            self.settings.pad_token_id,
+            self.settings.eos_token_ids,
+            prompt_ids.device,
+            weight_versions=[_oldest_version(output["weight_versions"]) for output in outputs],
+        )
+
+    def close(self) -> None:
+        self.cancel()
+        self.client.close()
 
 
 class _PendingServerCompletions(PendingCompletions):

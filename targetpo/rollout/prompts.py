@@ -7,6 +7,7 @@ their images by the processor, left-padded and cut to the prompt limit.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,19 @@ class PromptEncoder:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.prompt_limit, self.max_tokens = prompt_limit, prompt_limit.tokens
         self.pad_token_id, self.device, self.guard, self.images_allowed = pad_token_id, device, guard, images_allowed
+
+    def for_another_thread(self) -> PromptEncoder:
+        """A copy to encode with on another thread: a tokenizer (and processor) of its own, since a fast tokenizer
+        used from two threads at once can refuse ("Already borrowed"), and no guard (its collective must not run off
+        the training thread)."""
+        twin = copy.copy(self)
+        if self.processor is not None:
+            twin.processor = copy.deepcopy(self.processor)
+            twin.tokenizer = getattr(twin.processor, "tokenizer", None) or copy.deepcopy(self.tokenizer)
+        else:
+            twin.tokenizer = copy.deepcopy(self.tokenizer)
+        twin.guard = lambda what: contextlib.nullcontext()
+        return twin
 
     def has_images(self, rows: list[dict[str, Any]]) -> bool:
         """Whether the rows' prompts are encoded with images (the run can train on them and the rows have some)."""

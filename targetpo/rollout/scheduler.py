@@ -10,16 +10,18 @@ starts while this one trains.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..data import ROLLOUT_USE, UPCOMING_ROW
+from ..data import ROLLOUT_USE, ROW_INDEX, UPCOMING_ROW
 from ..distributed import full_model_for_generation
 from ..generation import (
     Completions,
@@ -45,6 +47,22 @@ class UpcomingRollout:
     pending: PendingCompletions
     images: PromptImages | None = None
 
+    def cancel(self) -> None:
+        self.pending.cancel()
+
+
+@dataclass
+class EpisodesAhead:
+    """The next rollout's episodes (turns and tool calls, or the user's loop) being played on a thread of their own,
+    on this process's own connection to the backend: what they return, once played, or the error they raised."""
+
+    indices: list[int]  # the dataset rows they are played for
+    played: Future
+    backend: RolloutBackend
+
+    def cancel(self) -> None:
+        self.backend.cancel()  # the thread stops at its next generation (a tool call under way finishes first)
+
 
 class RolloutScheduler:
     """The rollout buffer, rollouts generated ahead, weight pushes and the rollout backend of one trainer."""
@@ -56,13 +74,20 @@ class RolloutScheduler:
         self.built_backend: RolloutBackend | None = None  # the one this scheduler built, and closes
         self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
         self.weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
-        self.upcoming: UpcomingRollout | None = None  # the next rollout, being generated (async_rollouts)
+        self.upcoming: UpcomingRollout | EpisodesAhead | None = None  # the next rollout, under way (async_rollouts)
         self.buffer: list[RolloutBatch] | None = None  # the current rollout's step batches
+        self.rollout_indices: list[int] | None = None  # the dataset rows of the rollout being made (async_rollouts)
+        self._episode_player: ThreadPoolExecutor | None = None  # plays episodes ahead, one rollout at a time
+        self._this_thread = threading.local()  # the backend the episodes playing ahead generate with, on their thread
 
     # ------------------------------------------------------------------------------------------------ the backend
     @property
     def backend(self) -> RolloutBackend:
-        """The backend rollouts use: built on first use (again after :meth:`close`)."""
+        """The backend rollouts use: built on first use (again after :meth:`close`). On the thread that plays
+        episodes ahead, this process's own connection to it."""
+        playing = getattr(self._this_thread, "backend", None)
+        if playing is not None:
+            return playing
         if self._backend is None:
             trainer, args = self.trainer, self.trainer.args
             max_model_len = None
@@ -104,8 +129,11 @@ class RolloutScheduler:
     def stop_generating(self) -> None:
         """Cancel a rollout generated ahead that nothing will use, and stop the tools' event loop."""
         if self.upcoming is not None:
-            self.upcoming.pending.cancel()
+            self.upcoming.cancel()
             self.upcoming = None
+        if self._episode_player is not None:
+            self._episode_player.shutdown(wait=True)  # cancelled: it ends at its next generation
+            self._episode_player = None
         self.async_runner.close()
 
     # ------------------------------------------------------------------------------------------------ weights
@@ -144,12 +172,13 @@ class RolloutScheduler:
         trainer, args = self.trainer, self.trainer.args
         use = rows[0][ROLLOUT_USE]
         upcoming = [row.get(UPCOMING_ROW) for row in rows]
-        rows = [{key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW)} for row in rows]
+        self.rollout_indices = [row.get(ROW_INDEX) for row in rows]
+        rows = [_untagged(row) for row in rows]
         if self.buffer is None or use == 0:
             rollout = trainer._rollout(rows, mode="train")
             self.buffer = rollout.step_batches(args.per_device_train_batch_size)
         if use == trainer._lookahead_use and upcoming[0] is not None:
-            self.start_upcoming(upcoming)
+            self.start_upcoming([row[ROW_INDEX] for row in upcoming], [_untagged(row) for row in upcoming])
         return self.buffer[use % args.steps_per_generation]
 
     def completions(
@@ -167,25 +196,85 @@ class RolloutScheduler:
                 pending = self.start_generating(prompt_ids, prompt_mask, images)
             completions = pending.result()
         trainer._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
-        if completions.weight_versions is not None:
-            known = completions.weight_versions >= 0
-            staleness = trainer.accelerator.gather(
-                torch.where(known, trainer.state.global_step - completions.weight_versions, -1)
-            )
-            staleness = staleness[staleness >= 0].float()
-            if staleness.numel() > 0:
-                trainer._metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
-                trainer._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
+        self.record_staleness(completions, mode)
         return completions
 
-    def start_upcoming(self, rows: list[dict[str, Any]]) -> None:
-        """Start generating the next rollout (async_rollouts) from the rows it will hold."""
+    def record_staleness(self, completions: Completions, mode: str) -> None:
+        """Optimiser steps between the weights of each completion's oldest token and the current ones (collective)."""
+        trainer = self.trainer
+        if completions.weight_versions is None:
+            return
+        known = completions.weight_versions >= 0
+        staleness = trainer.accelerator.gather(
+            torch.where(known, trainer.state.global_step - completions.weight_versions, -1)
+        )
+        staleness = staleness[staleness >= 0].float()
+        if staleness.numel() > 0:
+            trainer._metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
+            trainer._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
+
+    def start_upcoming(self, indices: list[int], rows: list[dict[str, Any]]) -> None:
+        """Start the next rollout (async_rollouts) from the rows it will hold (``indices`` in the dataset): its
+        generation, or its episodes, played ahead."""
         if self.upcoming is not None:  # a resumed run can meet a lookahead before using the previous one
-            self.upcoming.pending.cancel()
-        prompts = self.trainer._prompt_encoder.encode(rows)
+            self.upcoming.cancel()
+        source = self.trainer._rollout_source
         self.sync_weights()
+        if source.plays_episodes:
+            self.upcoming = self.play_ahead(indices, rows)
+            return
+        prompts = self.trainer._prompt_encoder.encode(rows)
         pending = self.start_generating(prompts.ids, prompts.mask, prompts.images)
         self.upcoming = UpcomingRollout(prompts.ids, prompts.mask, pending, prompts.images)
+
+    def check_plays_ahead(self) -> RolloutBackend:
+        """This process's own connection to the backend, for episodes played ahead; refused where there is none."""
+        backend = self.backend.for_this_process()
+        if backend is None:
+            raise ValueError(
+                f"async_rollouts=True with tools, environments or rollout_func plays each rollout's episodes ahead on "
+                f"every process's own connection to the rollout backend, which {type(self.backend).__name__} does not "
+                "give (`for_this_process()` returns None). Generate on a vLLM server, or set async_rollouts=False."
+            )
+        return backend
+
+    def play_ahead(self, indices: list[int], rows: list[dict[str, Any]]) -> EpisodesAhead:
+        """Play the next rollout's episodes on a thread of their own, generating through this process's own
+        connection to the backend; no collectives there (they would interleave with training's)."""
+        backend = self.check_plays_ahead()
+        backend.start_playing(int(torch.randint(0, 2**31 - 1, (1,)).item()))  # from the run's seed, on this thread
+        if self._episode_player is None:
+            self._episode_player = ThreadPoolExecutor(max_workers=1, thread_name_prefix="targetpo-episodes")
+        source = self.trainer._rollout_source
+
+        def play() -> Any:
+            with self._generating_with(backend):
+                return source.play_ahead(rows)
+
+        return EpisodesAhead(indices, self._episode_player.submit(play), backend)
+
+    @contextlib.contextmanager
+    def _generating_with(self, backend: RolloutBackend) -> Iterator[None]:
+        self._this_thread.backend = backend
+        try:
+            yield
+        finally:
+            self._this_thread.backend = None
+
+    def take_played(self) -> Any | None:
+        """What the episodes played ahead returned, if they were played for exactly this rollout's rows on every
+        process (collective); None if there are none (the rollout is played now). Their failure reaches every
+        process."""
+        upcoming, self.upcoming = self.upcoming, None
+        if not isinstance(upcoming, EpisodesAhead):  # the same on every process
+            return None
+        trainer = self.trainer
+        same = upcoming.indices == self.rollout_indices
+        if not bool(trainer.accelerator.gather(torch.tensor([same], device=trainer.accelerator.device)).all()):
+            upcoming.cancel()  # e.g. a run resumed mid-epoch: the rows it guessed are not the ones to train on
+            return None
+        with trainer._failures_reach_every_process("playing the episodes ahead"):
+            return upcoming.played.result()
 
     def start_generating(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
@@ -201,7 +290,7 @@ class RolloutScheduler:
     ) -> PendingCompletions | None:
         """The rollout generated ahead, if it was made for exactly these prompts (and images) on every process."""
         upcoming, self.upcoming = self.upcoming, None
-        if upcoming is None:  # the same on every process: they all start upcoming rollouts together
+        if not isinstance(upcoming, UpcomingRollout):  # the same on every process: they start them together
             return None
         same = (
             upcoming.prompt_ids.shape == prompt_ids.shape
@@ -231,6 +320,11 @@ def same_model_inputs(first: PromptImages | None, second: PromptImages | None) -
     return one.keys() == other.keys() and all(
         one[key].shape == other[key].shape and torch.equal(one[key], other[key]) for key in one
     )
+
+
+def _untagged(row: dict[str, Any]) -> dict[str, Any]:
+    """A dataset row without the sampler's tags."""
+    return {key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW, ROW_INDEX)}
 
 
 def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,14 +6,20 @@ prompts with images (:class:`GeneratedRollouts`), a multi-turn loop calling tool
 What one process can fail at alone (a bad prompt, generation running out of memory, a rollout_func raising) runs in
 guarded blocks, so that the failure stops every process before the next gather. Collective generation (a vLLM
 server, sharded weights) runs collectives itself, which every process must reach: it is not guarded.
+
+Episodes (tools, environments, ``rollout_func``) can also be played ahead, on a thread of their own while training
+goes on (``async_rollouts``): :class:`Player` says what they are played with, and the training thread reads what was
+played (:meth:`EpisodeRollouts.finish`), where failures and metrics reach every process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +28,10 @@ from torch import nn
 
 from ..generation import Completions, PromptImages, unpadded_prompts
 from ..modeling.loading import max_positions
-from ..multi_turn import custom_rollout_completions, left_pad
+from ..multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
 from ..rewards import REWARD_ARGUMENTS
 from ..vision import EncodedPrompts, prompt_images, with_image_objects
-from .prompts import RolloutPrompts
+from .prompts import PromptEncoder, RolloutPrompts
 from .scheduler import check_takes_images
 
 if TYPE_CHECKING:
@@ -70,6 +76,10 @@ class SourcedRollout:
 class RolloutSource(ABC):
     """Makes one process's prompts and completions of a rollout from its dataset rows."""
 
+    #: Whether a rollout is a loop of turns (tools, environments, ``rollout_func``), which ``async_rollouts`` plays
+    #: ahead on a thread of its own (:meth:`play_ahead`) rather than only generating ahead.
+    plays_episodes = False
+
     def __init__(self, trainer: TargetPOTrainer):
         self.trainer = trainer
 
@@ -87,6 +97,10 @@ class RolloutSource(ABC):
     def generate(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
         """Prompts and completions of ``rows``; ``columns`` holds only what the source adds to the rows' own."""
 
+    def play_ahead(self, rows: list[dict[str, Any]]) -> Any:
+        """Play the episodes of ``rows`` on the calling thread, beside training: no collectives."""
+        raise NotImplementedError(f"{type(self).__name__} does not play episodes.")
+
 
 class GeneratedRollouts(RolloutSource):
     """The rollout backend completes each prompt (text, or with its images) once."""
@@ -97,41 +111,120 @@ class GeneratedRollouts(RolloutSource):
         return SourcedRollout(prompts.prompts, prompts.ids, prompts.mask, completions).with_images_of(prompts.encoded)
 
 
-class ToolRollouts(RolloutSource):
-    """Each sample calls tools (or its environment's methods) over several turns of generation."""
+#: ``guard(what, local)``: the trainer's ``_failures_reach_every_process``, or nothing on a thread playing ahead.
+PlayGuard = Callable[..., contextlib.AbstractContextManager]
+
+
+@dataclass
+class Player:
+    """What a rollout's episodes are played with: on the training thread, the trainer's own parts (failures reach
+    every process, a collective backend generates with all of them); ahead of time, on a thread of their own, copies
+    that share nothing the training thread uses (a tokenizer of their own, the environments of the other lane, this
+    process's own connection to the backend) and no guards (no collectives off the training thread)."""
+
+    guard: PlayGuard
+    encoder: PromptEncoder
+    tool_loop: ToolLoop | None
+    lane: str  # which environments (NOW or AHEAD)
+    ahead: bool
+
+
+def _unguarded(what: str, local: bool = True) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class EpisodeRollouts(RolloutSource):
+    """A source whose rollouts are episodes, several turns each: played now on the training thread, or, with
+    ``async_rollouts``, taken as they were played ahead (:meth:`RolloutScheduler.play_ahead`)."""
+
+    plays_episodes = True
+
+    def __init__(self, trainer: TargetPOTrainer):
+        super().__init__(trainer)
+        self._ahead_player: Player | None = None
 
     def generate(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
+        trainer = self.trainer
+        started = time.perf_counter()
+        played = trainer._scheduler.take_played() if mode == "train" else None
+        if played is None:
+            trainer._scheduler.sync_weights()  # collective where weights are gathered: outside the guarded blocks
+            started = time.perf_counter()  # the wait for the episodes, not for the weight push
+            now = Player(trainer._failures_reach_every_process, trainer._prompt_encoder, trainer._tool_loop, NOW, False)
+            played = self.play(rows, now)
+        trainer._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
+        sourced = self.finish(played, mode)
+        trainer._scheduler.record_staleness(sourced.completions, mode)
+        return sourced
+
+    def play_ahead(self, rows: list[dict[str, Any]]) -> Any:
+        if self._ahead_player is None:  # made once: one thread plays ahead, one rollout at a time
+            trainer = self.trainer
+            tool_loop = trainer._tool_loop.for_another_thread() if trainer._tool_loop is not None else None
+            encoder = trainer._prompt_encoder.for_another_thread()
+            self._ahead_player = Player(_unguarded, encoder, tool_loop, AHEAD, True)
+        return self.play(rows, self._ahead_player)
+
+    @abstractmethod
+    def play(self, rows: list[dict[str, Any]], player: Player) -> Any:
+        """The episodes of ``rows``, as :meth:`finish` reads them."""
+
+    @abstractmethod
+    def finish(self, played: Any, mode: str) -> SourcedRollout:
+        """The rollout of played episodes, on the training thread (its metrics are gathered from every process)."""
+
+
+@dataclass
+class PlayedConversations:
+    """Tool-calling episodes as played: the prompts as encoded, the rollout, each sample's environment and tools."""
+
+    encoded: RolloutPrompts
+    rollout: MultiTurnRollout
+    environments: list[Any] | None
+    tools: list[list[dict[str, Any]]]
+
+
+class ToolRollouts(EpisodeRollouts):
+    """Each sample calls tools (or its environment's methods) over several turns of generation."""
+
+    def play(self, rows: list[dict[str, Any]], player: Player) -> PlayedConversations:
         trainer = self.trainer
         prompts = [row["prompt"] for row in rows]
         environments = None
         toolboxes = [trainer._toolbox] * len(rows)
-        with trainer._failures_reach_every_process("starting the environments"):
+        with player.guard("starting the environments"):
             if trainer._environments is not None:
-                environments, prompts, toolboxes = trainer._environments.start(rows)
+                environments, prompts, toolboxes = trainer._environments.start(rows, player.lane)
         tools = [toolbox.schemas for toolbox in toolboxes]  # each row's environment shows its own tools
-        encoded = trainer._prompt_encoder.encode(rows, prompts, tools)
+        encoded = player.encoder.encode(rows, prompts, tools)
+        backend = trainer._scheduler.backend
         images_of_turn = None
         if encoded.images is not None:
-            check_takes_images(trainer._scheduler.backend)
+            check_takes_images(backend)
             images_of_turn = _images_of_turn(encoded)
-        backend = trainer._scheduler.backend
-        trainer._scheduler.sync_weights()  # collective where weights are gathered: outside the guarded block
-        started = time.perf_counter()
         # A collective backend needs every process to generate each turn: they agree on whether any still has one.
         agree = self._any_process if backend.collective else None
-        what = "generating the multi-turn completions"
-        with trainer._failures_reach_every_process(what, local=not backend.collective):
-            rollout = trainer._tool_loop.run(backend, encoded.ids, encoded.mask, toolboxes, agree, images_of_turn)
-        self._record_tool_metrics(rollout, mode, time.perf_counter() - started, encoded.ids.device)
-        columns = {"environments": environments} if environments is not None else {}
+        with player.guard("generating the multi-turn completions", local=not backend.collective):
+            rollout = player.tool_loop.run(backend, encoded.ids, encoded.mask, toolboxes, agree, images_of_turn)
+        return PlayedConversations(encoded, rollout, environments, tools)
+
+    def finish(self, played: PlayedConversations, mode: str) -> SourcedRollout:
+        encoded, rollout = played.encoded, played.rollout
+        self._record_tool_metrics(rollout, mode, encoded.ids.device)
+        columns = {"environments": played.environments} if played.environments is not None else {}
         sourced = SourcedRollout(
-            encoded.prompts, encoded.ids, encoded.mask, rollout.completions, rollout.conversations, columns, tools=tools
+            encoded.prompts,
+            encoded.ids,
+            encoded.mask,
+            rollout.completions,
+            rollout.conversations,
+            columns,
+            tools=played.tools,
         )
         return sourced.with_images_of(encoded.encoded)
 
-    def _record_tool_metrics(self, rollout: Any, mode: str, waited: float, device: torch.device) -> None:
+    def _record_tool_metrics(self, rollout: MultiTurnRollout, mode: str, device: torch.device) -> None:
         metrics = self.trainer._metrics[mode]
-        metrics["rollout/generation_wait_seconds"].append(waited)
         calls, failures, turns = (
             self.trainer.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=device))
             for values in (rollout.tool_calls, rollout.tool_failures, rollout.turns)
@@ -154,35 +247,48 @@ def _images_of_turn(prompts: RolloutPrompts) -> Any:
     return images_of_turn
 
 
-class FunctionRollouts(RolloutSource):
+@dataclass
+class PlayedFunction:
+    """What ``rollout_func`` returned for a rollout, read and checked: the prompts as the model saw them and as
+    token ids, the completions, the extra fields, and the prompts' encoding with their images."""
+
+    prompts: list[Any]
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completions: Completions
+    columns: dict[str, list[Any]]
+    encoded: EncodedPrompts | None = None
+
+
+class FunctionRollouts(EpisodeRollouts):
     """The user's ``rollout_func(prompts, trainer)`` makes the completions; its extra fields become reward columns."""
 
-    def generate(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
-        trainer = self.trainer
-        if not trainer._prompt_encoder.has_images(rows):
+    def play(self, rows: list[dict[str, Any]], player: Player) -> PlayedFunction:
+        if not player.encoder.has_images(rows):
             prompts = [row["prompt"] for row in rows]
-            prompt_ids, prompt_mask, completions, columns = self._run(prompts, mode)
-            return SourcedRollout(prompts, prompt_ids, prompt_mask, completions, columns=columns)
-        encoded = trainer._prompt_encoder.encode(rows)
+            return PlayedFunction(prompts, *self._run(prompts, player))
+        encoded = player.encoder.encode(rows)
         # The function gets each prompt's image parts holding the images themselves.
         with_images = [with_image_objects(prompt, row) for prompt, row in zip(encoded.prompts, encoded.images.images)]
-        prompt_ids, prompt_mask, completions, columns = self._run(with_images, mode)
-        with trainer._failures_reach_every_process("reading rollout_func's result"):
+        prompt_ids, prompt_mask, completions, columns = self._run(with_images, player)
+        with player.guard("reading rollout_func's result"):
             _check_rollout_func_prompts(encoded.encoded, prompt_ids, prompt_mask)
-        sourced = SourcedRollout(encoded.prompts, prompt_ids, prompt_mask, completions, columns=columns)
-        return sourced.with_images_of(encoded.encoded)
+        return PlayedFunction(encoded.prompts, prompt_ids, prompt_mask, completions, columns, encoded.encoded)
 
-    def _run(self, prompts: list[Any], mode: str) -> tuple[torch.Tensor, torch.Tensor, Completions, dict]:
+    def finish(self, played: PlayedFunction, mode: str) -> SourcedRollout:
+        sourced = SourcedRollout(
+            played.prompts, played.prompt_ids, played.prompt_mask, played.completions, columns=played.columns
+        )
+        return sourced.with_images_of(played.encoded)
+
+    def _run(self, prompts: list[Any], player: Player) -> tuple[torch.Tensor, torch.Tensor, Completions, dict]:
         """Run ``rollout_func`` and check its result: prompt ids and mask, completions, extra fields."""
         trainer = self.trainer
-        trainer._scheduler.sync_weights()
         backend = trainer._scheduler.backend
         # The function may generate with a collective backend itself, which a failure must not leave waiting.
-        started = time.perf_counter()
-        with trainer._failures_reach_every_process("running rollout_func", local=not backend.collective):
+        with player.guard("running rollout_func", local=not backend.collective):
             result = trainer.rollout_func(copy.deepcopy(prompts), trainer)
-        trainer._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
-        with trainer._failures_reach_every_process("reading rollout_func's result"):
+        with player.guard("reading rollout_func's result"):
             prompt_lists, completions, extra = custom_rollout_completions(
                 result,
                 len(prompts),
