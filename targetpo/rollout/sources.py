@@ -43,8 +43,9 @@ class SourcedRollout:
     completions: Completions
     conversations: list[list[dict[str, Any]]] | None = None  # multi-turn: each sample's whole conversation
     columns: dict[str, list[Any]] = field(default_factory=dict)  # reward-function arguments beside the prompts
-    pixel_inputs: list[Any] | None = None  # prompts with images: each row's per-image model inputs
+    pixel_inputs: list[Any] | None = None  # prompts (or tool results) with images: each row's per-image model inputs
     token_aligned: dict[str, torch.Tensor] = field(default_factory=dict)  # and the prompts' per-token extras
+    completion_aligned: dict[str, torch.Tensor] = field(default_factory=dict)  # the tool images' per-token extras
     tools: list[list[dict[str, Any]]] | None = None  # each prompt's tool schemas, where each sample has its own
 
     def with_images_of(self, encoded: EncodedPrompts | None) -> SourcedRollout:
@@ -56,6 +57,7 @@ class SourcedRollout:
     def padded_to_multiple(self, multiple: int, pad_id: int) -> SourcedRollout:
         """Prompts (left) and completions (right) padded to lengths that are multiples of ``multiple``."""
         extra_columns = -self.prompt_ids.size(1) % multiple
+        completions = self.completions.padded_to_multiple(multiple, pad_id)
         return dataclasses.replace(
             self,
             prompt_ids=nn.functional.pad(self.prompt_ids, (extra_columns, 0), value=pad_id),
@@ -63,7 +65,11 @@ class SourcedRollout:
             token_aligned={
                 key: nn.functional.pad(value, (extra_columns, 0)) for key, value in self.token_aligned.items()
             },
-            completions=self.completions.padded_to_multiple(multiple, pad_id),
+            completions=completions,
+            completion_aligned={
+                key: nn.functional.pad(value, (0, completions.ids.size(1) - value.size(1)))
+                for key, value in self.completion_aligned.items()
+            },
         )
 
 
