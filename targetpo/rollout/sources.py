@@ -24,8 +24,7 @@ from ..generation import Completions, PromptImages, unpadded_prompts
 from ..modeling.loading import max_positions
 from ..multi_turn import custom_rollout_completions, left_pad
 from ..rewards import REWARD_ARGUMENTS
-from ..vision import EncodedPrompts, prompt_images, with_image_objects
-from .prompts import RolloutPrompts
+from ..vision import EncodedPrompts, ImagesAfterPrompt, collate_pixel_inputs, prompt_images, with_image_objects
 from .scheduler import check_takes_images
 
 if TYPE_CHECKING:
@@ -116,11 +115,14 @@ class ToolRollouts(RolloutSource):
                 environments, prompts, toolboxes = trainer._environments.start(rows)
         tools = [toolbox.schemas for toolbox in toolboxes]  # each row's environment shows its own tools
         encoded = trainer._prompt_encoder.encode(rows, prompts, tools)
+        backend = trainer._scheduler.backend
         images_of_turn = None
         if encoded.images is not None:
-            check_takes_images(trainer._scheduler.backend)
-            images_of_turn = _images_of_turn(encoded)
-        backend = trainer._scheduler.backend
+            check_takes_images(backend)
+            images_of_turn = _images_of_turn(encoded.encoded, encoded.images.images, backend)
+        elif trainer._tool_loop.processor is not None:  # text prompts: tool results may bring the first images
+            without = EncodedPrompts.without_images(encoded.ids, encoded.mask)
+            images_of_turn = _images_of_turn(without, [[] for _ in rows], backend, prompts_have_images=False)
         trainer._scheduler.sync_weights()  # collective where weights are gathered: outside the guarded block
         started = time.perf_counter()
         # A collective backend needs every process to generate each turn: they agree on whether any still has one.
@@ -132,8 +134,8 @@ class ToolRollouts(RolloutSource):
         columns = {"environments": environments} if environments is not None else {}
         sourced = SourcedRollout(
             encoded.prompts, encoded.ids, encoded.mask, rollout.completions, rollout.conversations, columns, tools=tools
-        )
-        return sourced.with_images_of(encoded.encoded)
+        ).with_images_of(encoded.encoded)
+        return _with_tool_images(sourced, rollout.images, rollout.completion_aligned)
 
     def _record_tool_metrics(self, rollout: Any, mode: str, waited: float, device: torch.device) -> None:
         metrics = self.trainer._metrics[mode]
@@ -151,13 +153,34 @@ class ToolRollouts(RolloutSource):
         return bool(accelerator.gather(torch.tensor([active], device=accelerator.device)).any())
 
 
-def _images_of_turn(prompts: RolloutPrompts) -> Any:
-    """The images of the samples still generating, as each turn's backend call takes them."""
+def _images_of_turn(
+    encoded: EncodedPrompts, images: list[list[Any]], backend: Any, prompts_have_images: bool = True
+) -> Any:
+    """The images of the samples still generating (their prompts', then their tool results'), as each turn's backend
+    call takes them; for text prompts, None until a tool result brings an image."""
 
-    def images_of_turn(active: list[int], contexts: list[list[int]]) -> PromptImages:
-        return prompt_images(prompts.encoded, prompts.images.images, active, contexts)
+    def images_of_turn(
+        active: list[int], contexts: list[list[int]], after: list[ImagesAfterPrompt]
+    ) -> PromptImages | None:
+        if not prompts_have_images:
+            if not any(later.images for later in after):
+                return None
+            check_takes_images(backend)
+        return prompt_images(encoded, images, active, contexts, after)
 
     return images_of_turn
+
+
+def _with_tool_images(
+    sourced: SourcedRollout, images: list[ImagesAfterPrompt] | None, completion_aligned: dict[str, torch.Tensor]
+) -> SourcedRollout:
+    """The rollout with each row's pixel inputs covering its tool results' images after its prompt's (the order the
+    model meets their tokens in), and their per-token extras over the completions."""
+    if images is None:
+        return sourced
+    prompt_pixels = sourced.pixel_inputs or [{} for _ in images]
+    pixel_inputs = [collate_pixel_inputs([prompt, *later.pixel_inputs]) for prompt, later in zip(prompt_pixels, images)]
+    return dataclasses.replace(sourced, pixel_inputs=pixel_inputs, completion_aligned=completion_aligned)
 
 
 class FunctionRollouts(RolloutSource):
