@@ -28,9 +28,15 @@ from .tools import (
     ToolCallLimits,
     ToolOutcome,
     environment_tools,
+    message_images,
     run_tool_calls,
     tool_message,
 )
+from .vision import ImagesAfterPrompt, encode_turn_with_images
+
+#: ``images_of_turn(samples, contexts, after)``: the images of the samples a turn continues, as the backend takes
+#: them (None: none to give), ``after`` holding each one's images from tool results.
+ImagesOfTurn = Callable[[list[int], list[list[int]], list[ImagesAfterPrompt]], PromptImages | None]
 
 
 @dataclass
@@ -43,6 +49,7 @@ class _Sample:
     logps: list[float] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation after the prompt
     oldest_version: int | None = None
+    images: ImagesAfterPrompt = field(default_factory=ImagesAfterPrompt)  # images tool results brought
     tool_rounds: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
@@ -60,6 +67,8 @@ class MultiTurnRollout:
     tool_calls: list[int]
     tool_failures: list[int]
     turns: list[int]
+    images: list[ImagesAfterPrompt] | None = None  # where any tool result held images: each sample's
+    completion_aligned: dict[str, torch.Tensor] = field(default_factory=dict)  # their per-token extras, (N, C)
 
 
 class ToolLoop:
@@ -67,7 +76,10 @@ class ToolLoop:
 
     ``any_process_active`` (for backends whose generation is collective) tells whether any process still has a
     sample to continue: every process must then generate as many turns as the busiest one. ``images_of_turn`` (for
-    prompts with images) gives the images of the samples a turn continues, with their inputs over those contexts.
+    prompts with images, or a vision-language policy whose tools may return images) gives the images of the samples
+    a turn continues, with their inputs over those contexts. With ``processor`` (a vision-language policy's) tool
+    results may hold images: a tool turn's images are encoded by it, their placeholders expanded in the sample's
+    tokens, and every later turn is generated with them.
     """
 
     def __init__(
@@ -79,8 +91,10 @@ class ToolLoop:
         pad_token_id: int,
         runner: AsyncRunner | None = None,
         limits: ToolCallLimits = ToolCallLimits(),
+        processor: Any = None,
     ):
         self.template = template
+        self.processor = processor
         self.limits = limits  # per-call timeout, sync calls side by side
         self.tokenizer = template.tokenizer
         self.max_completion_length = max_completion_length
@@ -94,6 +108,8 @@ class ToolLoop:
         threads at once can refuse), the same tools, limits and event loop."""
         twin, template = copy.copy(self), copy.copy(self.template)
         template.tokenizer = twin.tokenizer = copy.deepcopy(self.tokenizer)
+        if self.processor is not None:  # it encodes tool turns with images: its tokenizer is used too
+            twin.processor = copy.deepcopy(self.processor)
         twin.template = template
         return twin
 
@@ -104,7 +120,7 @@ class ToolLoop:
         prompt_mask: torch.Tensor,
         toolboxes: Sequence[Toolbox],
         any_process_active: Callable[[bool], bool] | None = None,
-        images_of_turn: Callable[[list[int], list[list[int]]], PromptImages] | None = None,
+        images_of_turn: ImagesOfTurn | None = None,
     ) -> MultiTurnRollout:
         samples = [_Sample(context=ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
         with backend.session():
@@ -120,7 +136,7 @@ class ToolLoop:
         device: torch.device,
         toolboxes: Sequence[Toolbox],
         any_process_active: Callable[[bool], bool] | None,
-        images_of_turn: Callable[[list[int], list[list[int]]], PromptImages] | None,
+        images_of_turn: ImagesOfTurn | None,
     ) -> tuple[bool, bool]:
         """Alternate the model's turns and the tool turns until every sample is done; whether every turn came with
         the sampler's log-probs, and with weight versions."""
@@ -137,8 +153,12 @@ class ToolLoop:
             budget = max(self.max_completion_length - len(samples[index].ids) for index in rows) if active else 1
             contexts = [samples[index].context for index in rows]
             ids, mask = left_pad(contexts, self.pad_token_id, device)
-            # Prompts with images: every turn is generated with the prompt's images, their inputs over the context.
-            images = {} if images_of_turn is None else {"images": images_of_turn(rows, contexts)}
+            # Every turn is generated with the sample's images so far (its prompt's, its tool results'), their inputs
+            # over the context.
+            turn_images = None
+            if images_of_turn is not None:
+                turn_images = images_of_turn(rows, contexts, [samples[index].images for index in rows])
+            images = {} if turn_images is None else {"images": turn_images}
             generated = backend.generate(ids, mask, max_new_tokens=budget, **images)
             if not active:
                 continue
@@ -173,6 +193,7 @@ class ToolLoop:
         text = self.tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False)
         message, malformed = self.template.parse(text, prefix)
         sample.ids += turn
+        sample.images.add_tokens(turn)
         sample.loss_mask += [1] * len(turn)
         sample.logps += logps
         sample.context += turn
@@ -191,7 +212,7 @@ class ToolLoop:
         """Run the turn's calls, then give each sample its tool turn (or end it if the turn does not fit)."""
         runnable = [(index, toolbox, call) for index, toolbox, call in requests if toolbox is not None]
         calls, callers = [(toolbox, call) for _, toolbox, call in runnable], [index for index, _, _ in runnable]
-        ran = iter(run_tool_calls(calls, self.runner, self.limits, callers))
+        ran = iter(run_tool_calls(calls, self.runner, self.limits, callers, images_allowed=self.processor is not None))
         answers: dict[int, list[ToolOutcome]] = {}
         for index, toolbox, call in requests:
             outcome = next(ran) if toolbox is not None else ToolOutcome(tool_message(INVALID_CALL_NAME, call), True)
@@ -202,10 +223,20 @@ class ToolLoop:
             sample.tool_calls += len(outcomes)
             sample.tool_failures += sum(outcome.failed for outcome in outcomes)
             messages = [outcome.message for outcome in outcomes]
-            tool_turn = self.template.tool_turn_ids(messages)
+            images = [image for message in messages for image in message_images(message)]
+            encoded = None
+            if images:  # expanded as the processor expands a prompt's; the sample's inputs grow by its pixels
+                encoded = encode_turn_with_images(self.processor, self.template.tool_turn_text(messages), images)
+                tool_turn = encoded.ids
+            else:
+                tool_turn = self.template.tool_turn_ids(messages)
             if len(sample.ids) + len(tool_turn) >= self.max_completion_length:  # no room left for the next turn
                 sample.done = sample.truncated = True
                 continue
+            if encoded is None:
+                sample.images.add_tokens(tool_turn)
+            else:
+                sample.images.add_turn(encoded, images, start=len(sample.ids))
             sample.messages += messages
             sample.ids += tool_turn
             sample.loss_mask += [0] * len(tool_turn)
@@ -226,13 +257,22 @@ class ToolLoop:
         if has_versions:
             versions = [-1 if sample.oldest_version is None else sample.oldest_version for sample in samples]
             completions.weight_versions = torch.tensor(versions, dtype=torch.long, device=device)
-        return MultiTurnRollout(
+        rollout = MultiTurnRollout(
             completions=completions,
             conversations=[sample.messages for sample in samples],
             tool_calls=[sample.tool_calls for sample in samples],
             tool_failures=[sample.tool_failures for sample in samples],
             turns=[sample.turns for sample in samples],
         )
+        if any(sample.images.images for sample in samples):
+            rollout.images = [sample.images for sample in samples]
+            width = completions.ids.size(1)
+            keys = dict.fromkeys(key for sample in samples for key in sample.images.aligned_keys())
+            rollout.completion_aligned = {
+                key: torch.tensor([sample.images.aligned(key, width) for sample in samples], device=device)
+                for key in keys
+            }
+        return rollout
 
     def close(self) -> None:
         self.runner.close()

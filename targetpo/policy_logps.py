@@ -15,7 +15,7 @@ from torch import nn
 
 from .modeling.loading import forward_accepts_position_ids
 from .modeling.logps import completion_logps, liger_head_problem, supports_chunked_head
-from .rollout.records import PROMPT_ALIGNED
+from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 
 #: The four tensors every batch of rows has, in ``completion_logps``'s order.
@@ -89,19 +89,22 @@ class PolicyLogps:
         """
         selected = _selected_rows(batch, rows)
         take = (lambda value: value) if selected is None else (lambda value: value[selected])
-        image_inputs, prompt_aligned = None, None
+        image_inputs, prompt_aligned, completion_aligned = None, None, None
         pixel_inputs = batch.get("pixel_inputs")
-        if pixel_inputs is not None:  # prompts with images: the rows' pixels, and their prompts' per-token extras
+        if pixel_inputs is not None:  # images: the rows' pixels, and the per-token extras of prompts and completions
             pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
             image_inputs = collate_pixel_inputs(pixel_rows)
-            prompt_aligned = {  # read by key: `batch` may be a dict copy of a record
-                key[len(PROMPT_ALIGNED) :]: take(value) for key, value in batch.items() if key.startswith(PROMPT_ALIGNED)
-            }
+            # Read by key: `batch` may be a dict copy of a record.
+            prompt_aligned, completion_aligned = (
+                {key[len(prefix) :]: take(value) for key, value in batch.items() if key.startswith(prefix)}
+                for prefix in (PROMPT_ALIGNED, COMPLETION_ALIGNED)
+            )
         results = completion_logps(
             model,
             *(take(batch[key]) for key in ROW_TENSORS),
             image_inputs=image_inputs,
             prompt_aligned=prompt_aligned,
+            completion_aligned=completion_aligned,
             temperature=self.temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,

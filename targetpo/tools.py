@@ -134,21 +134,70 @@ def _holds_image(content: Any) -> bool:
         return any(_holds_image(item) for item in content)
     if isinstance(content, dict):
         return content.get("type") in ("image", "image_url")
-    return type(content).__module__.startswith("PIL.")
+    return _is_pil_image(content)
 
 
-def _result_outcome(name: str, result: Any) -> ToolOutcome:
-    """A tool's result as its outcome. An image cannot be shown to the model yet: written as text it would read as a
-    Python object, so the call fails with an error the model sees (the run goes on, like any failed call)."""
-    if _holds_image(result):
-        warnings.warn(
-            f"The tool {name!r} returned an image; images in tool results are not supported yet, so the call is "
-            "answered with an error. Return text from tools.",
-            stacklevel=2,
-        )
-        error = f"Error: {name} returned an image; images in tool results are not supported. Return text."
-        return ToolOutcome(tool_message(name, error), failed=True)
-    return ToolOutcome(tool_message(name, result), failed=False)
+def _is_pil_image(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.")
+
+
+def message_images(message: dict[str, Any]) -> list[Any]:
+    """The images a message's content parts hold, in order."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [part["image"] for part in content if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def image_content(name: str, result: Any) -> list[dict[str, Any]]:
+    """A result holding images as content parts: ``{"type": "image", "image": ...}`` for each image (a PIL image, or
+    a part of type image holding one), ``{"type": "text", "text": ...}`` for the rest (text parts, strings, other
+    values written as JSON). A ValueError names what cannot be shown to the model."""
+    items = list(result) if isinstance(result, (list, tuple)) else [result]
+    parts = []
+    for item in items:
+        if _is_pil_image(item):
+            parts.append({"type": "image", "image": item})
+        elif isinstance(item, dict) and item.get("type") == "image":
+            if item.get("image") is None:
+                raise ValueError(
+                    f"{name} returned an image part without its image: give the image itself, "
+                    "{'type': 'image', 'image': <PIL image>}."
+                )
+            parts.append({"type": "image", "image": item["image"]})
+        elif isinstance(item, dict) and item.get("type") == "image_url":
+            raise ValueError(
+                f"{name} returned an image_url part: the trainer needs the pixels, so return the image itself, "
+                "{'type': 'image', 'image': <PIL image>}."
+            )
+        elif isinstance(item, dict) and item.get("type") == "text":
+            parts.append({"type": "text", "text": str(item.get("text", ""))})
+        else:
+            parts.append({"type": "text", "text": tool_message(name, item)["content"]})
+    return parts
+
+
+def _result_outcome(name: str, result: Any, images_allowed: bool = False) -> ToolOutcome:
+    """A tool's result as its outcome. Images reach a vision-language policy (``images_allowed``: it is trained with
+    its processor) as content parts. A text-only policy cannot see them, and written as text an image would read as
+    a Python object: the call fails with an error the model sees (the run goes on, like any failed call)."""
+    if not _holds_image(result):
+        return ToolOutcome(tool_message(name, result), failed=False)
+    if images_allowed:
+        try:
+            parts = image_content(name, result)
+        except ValueError as error:
+            return ToolOutcome(tool_message(name, f"Error: {error}"), failed=True)
+        return ToolOutcome({"role": "tool", "name": name, "content": parts}, failed=False)
+    # Python shows a warning once per tool (same text, same place) unless its filters ask for more.
+    warnings.warn(
+        f"The tool {name!r} returned an image, which a text-only policy cannot read, so the call is answered with an "
+        "error. Images in tool results need a vision-language model trained with its processor "
+        "(processing_class=AutoProcessor.from_pretrained(...)); otherwise return text from tools.",
+        stacklevel=2,
+    )
+    error = f"Error: {name} returned an image; this model reads text only. Return text."
+    return ToolOutcome(tool_message(name, error), failed=True)
 
 
 @dataclass(frozen=True)
@@ -170,10 +219,12 @@ def run_tool_calls(
     runner: AsyncRunner,
     limits: ToolCallLimits = ToolCallLimits(),
     samples: Sequence[int] | None = None,
+    images_allowed: bool = False,
 ) -> list[ToolOutcome]:
     """Run every call of a turn, over all samples (``samples``: the sample that made each call, its calls in its
     order; by default each call its own): async tools of every sample at once; sync tools one after another, or side
-    by side across samples (``limits``); a call past the timeout is answered with an error and the turn goes on."""
+    by side across samples (``limits``); a call past the timeout is answered with an error and the turn goes on.
+    ``images_allowed``: results may hold images (a vision-language policy), given to the model as content parts."""
     outcomes: list[ToolOutcome | None] = [None] * len(calls)
     by_sample: dict[int, list[tuple[int, str, Callable[[], Any]]]] = {}
     samples = range(len(calls)) if samples is None else samples
@@ -200,18 +251,18 @@ def run_tool_calls(
         for (position, _), result in zip(waiting, awaited):
             results[position] = result
     for (index, name, _), result in zip(in_order, results):
-        outcomes[index] = _outcome(name, result, limits.timeout)
+        outcomes[index] = _outcome(name, result, limits.timeout, images_allowed)
     return outcomes  # type: ignore[return-value]
 
 
-def _outcome(name: str, result: Any, timeout: float | None = None) -> ToolOutcome:
+def _outcome(name: str, result: Any, timeout: float | None = None, images_allowed: bool = False) -> ToolOutcome:
     """A call's outcome from what it returned, or from the exception it raised (a timeout included)."""
     if result is TIMED_OUT:
         text = f"Error: {name} did not finish within {timeout:g} s (tool_call_timeout); it was given up."
         return ToolOutcome(tool_message(name, text), failed=True)
     if isinstance(result, Exception):
         return ToolOutcome(tool_message(name, _error_text(name, result)), failed=True)
-    return _result_outcome(name, result)
+    return _result_outcome(name, result, images_allowed)
 
 
 def _error_text(name: str, error: BaseException) -> str:
@@ -399,7 +450,11 @@ class ConversationTemplate:
         (Qwen3 drops their reasoning and writes an empty think block only on the last one) cannot change the tokens
         the model is trained on.
         """
-        return self.tokenizer(self._tool_turn_after(_STAND_IN, tool_messages), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.tool_turn_text(tool_messages), add_special_tokens=False)["input_ids"]
+
+    def tool_turn_text(self, tool_messages: list[dict[str, Any]]) -> str:
+        """The text of :meth:`tool_turn_ids` before tokenizing (a processor encodes it with the messages' images)."""
+        return self._tool_turn_after(_STAND_IN, tool_messages)
 
     def _tool_turn_after(self, content: str, tool_messages: list[dict[str, Any]]) -> str:
         """The text after a stand-in assistant turn (writing ``content`` and a call) up to the next assistant header.

@@ -244,6 +244,7 @@ class TargetPOTrainer(Trainer):
                 pad_token_id,
                 self._async_runner,
                 ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
+                processor=self._processor,  # a vision-language policy: tool results may hold images
             )
         self._prompt_encoder = PromptEncoder(
             tokenizer,

@@ -1,4 +1,5 @@
-"""Vision-language prompts: a row's images, image parts in its messages, and the pixel inputs of each row.
+"""Vision-language prompts: a row's images, image parts in its messages, and the pixel inputs of each row; the images
+tool results bring into a sample after its prompt.
 
 A prompt with images is encoded one row at a time by the model's processor, so that every row keeps its own pixel
 inputs and a batch of any rows (a training step's, the rows left after skipping) can be put together again by
@@ -11,6 +12,7 @@ image tokens in order, so rows' tensors are concatenated along their first dimen
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -134,6 +136,12 @@ class EncodedPrompts:
     ):
         self.ids, self.mask, self.token_aligned, self.pixel_inputs = ids, mask, token_aligned, pixel_inputs
         self.unexpanded_ids = unexpanded_ids
+
+    @classmethod
+    def without_images(cls, ids: torch.Tensor, mask: torch.Tensor) -> EncodedPrompts:
+        """Text prompts as encoded prompts with no pixels: for tool results that may bring the first images."""
+        unexpanded = [row[row_mask.bool()].tolist() for row, row_mask in zip(ids, mask)]
+        return cls(ids, mask, {}, [{} for _ in unexpanded], unexpanded)
 
     def to(self, device: torch.device | str) -> EncodedPrompts:
         return EncodedPrompts(
@@ -261,29 +269,141 @@ def prompt_images(
     images: list[list[Any]],
     rows: Sequence[int] | None = None,
     contexts: Sequence[list[int]] | None = None,
+    after: Sequence[ImagesAfterPrompt | None] | None = None,
 ) -> PromptImages:
     """The images of ``rows`` (default: all) of ``encoded`` prompts as rollout backends take them.
 
     ``contexts`` continue those rows' prompts (a multi-turn rollout's later turns: prompt, model turns, tool turns),
     left-padded to the longest as the backend's ids are: per-token extras then cover each context, zero past its
-    prompt, and the unexpanded ids continue with the context's tokens after the prompt.
+    prompt, and the unexpanded ids continue with the context's tokens after the prompt. ``after`` (one per row, with
+    ``contexts``) holds the images tool turns brought: they follow the prompt's, with their inputs, their per-token
+    extras and their placeholders unexpanded in the continuation.
     """
     from .generation.base import PromptImages  # here: the generation package reads this module's placeholder ids
 
     rows = list(range(len(images))) if rows is None else list(rows)
-    model_inputs = collate_pixel_inputs([encoded.pixel_inputs[row] for row in rows])
+    after = [None] * len(rows) if after is None else list(after)
+    pixel_rows = []
+    for row, later in zip(rows, after):
+        pixel_rows += [encoded.pixel_inputs[row], *(later.pixel_inputs if later is not None else [])]
+    model_inputs = collate_pixel_inputs(pixel_rows)  # in token order: each row's prompt images, then its tools'
     unexpanded = [encoded.unexpanded_ids[row] for row in rows]
+    row_images_ = [images[row] + (later.images if later is not None else []) for row, later in zip(rows, after)]
     if contexts is None:
         model_inputs.update({key: value[rows] for key, value in encoded.token_aligned.items()})
+        return PromptImages(model_inputs, row_images_, unexpanded)
+    width = max(len(context) for context in contexts)
+    prompt_lengths = [int(encoded.mask[row].sum()) for row in rows]
+    keys = dict.fromkeys(encoded.token_aligned)
+    keys.update(dict.fromkeys(key for later in after if later is not None for key in later.aligned_keys()))
+    for key in keys:
+        model_inputs[key] = torch.stack(
+            [
+                _aligned_over_context(encoded, key, row, length, context, later, width)
+                for row, length, context, later in zip(rows, prompt_lengths, contexts, after)
+            ]
+        )
+    unexpanded = [
+        ids + (later.unexpanded_ids if later is not None else context[length:])
+        for ids, length, context, later in zip(unexpanded, prompt_lengths, contexts, after)
+    ]
+    return PromptImages(model_inputs, row_images_, unexpanded)
+
+
+def _aligned_over_context(
+    encoded: EncodedPrompts,
+    key: str,
+    row: int,
+    prompt_length: int,
+    context: list[int],
+    later: ImagesAfterPrompt | None,
+    width: int,
+) -> torch.Tensor:
+    """One per-token extra over a row's context, left-padded to ``width``: the prompt's (zeros where it has none),
+    then the tool turns' (zeros elsewhere in the completion)."""
+    prompt_values = encoded.token_aligned.get(key)
+    if prompt_values is None:
+        prompt = encoded.mask.new_zeros(prompt_length)
     else:
-        width = max(len(context) for context in contexts)
-        prompt_lengths = [int(encoded.mask[row].sum()) for row in rows]
-        for key, value in encoded.token_aligned.items():
-            model_inputs[key] = torch.stack(
-                [
-                    torch.nn.functional.pad(value[row, -length:], (width - len(context), len(context) - length))
-                    for row, length, context in zip(rows, prompt_lengths, contexts)
-                ]
-            )
-        unexpanded = [ids + context[length:] for ids, length, context in zip(unexpanded, prompt_lengths, contexts)]
-    return PromptImages(model_inputs, [images[row] for row in rows], unexpanded)
+        prompt = prompt_values[row, -prompt_length:] if prompt_length else prompt_values.new_zeros(0)
+    completion_length = len(context) - prompt_length
+    completion = prompt.new_zeros(completion_length)
+    if later is not None:
+        completion = torch.tensor(later.aligned(key, completion_length), dtype=prompt.dtype, device=prompt.device)
+    return torch.nn.functional.pad(torch.cat([prompt, completion]), (width - len(context), 0))
+
+
+class EncodedTurn:
+    """A tool turn whose messages hold images, encoded by the processor: its ids with the image placeholders expanded
+    (as a prompt's are), the same before expansion (what an engine that expands them itself takes), its per-image
+    inputs and its per-token extras."""
+
+    def __init__(
+        self,
+        ids: list[int],
+        unexpanded_ids: list[int],
+        pixel_inputs: dict[str, torch.Tensor],
+        token_aligned: dict[str, list[int]],
+    ):
+        self.ids, self.unexpanded_ids = ids, unexpanded_ids
+        self.pixel_inputs, self.token_aligned = pixel_inputs, token_aligned
+
+
+def encode_turn_with_images(processor: Any, text: str, images: list[Any]) -> EncodedTurn:
+    """Encode a rendered tool turn with the images its messages hold, as :func:`encode_prompts_with_images` encodes a
+    prompt (the chat template wrote the special tokens: the tokenizer adds none)."""
+    encoded = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+    unexpanded = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = encoded["input_ids"][0].tolist()
+    if ids == unexpanded:  # some processors ignore images that the text has no placeholder for
+        raise ValueError(
+            f"A tool returned {len(images)} image(s) but the chat template renders the tool message without an "
+            "image placeholder, so the model could not see them. Use a chat template that renders a tool message's "
+            "content parts of type 'image' as the processor's image placeholder (as it does in user messages)."
+        )
+    token_keys = [
+        key
+        for key, value in encoded.items()
+        if key not in ("input_ids", "attention_mask") and torch.is_tensor(value) and value.shape == (1, len(ids))
+    ]
+    pixel_inputs = {
+        key: value
+        for key, value in encoded.items()
+        if torch.is_tensor(value) and key not in ("input_ids", "attention_mask", *token_keys)
+    }
+    return EncodedTurn(ids, unexpanded, pixel_inputs, {key: encoded[key][0].tolist() for key in token_keys})
+
+
+@dataclass
+class ImagesAfterPrompt:
+    """The images a sample's tool turns brought, grown with its completion: generation and the training pass read
+    them after the prompt's images."""
+
+    images: list[Any] = field(default_factory=list)
+    pixel_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each turn with images: its inputs
+    unexpanded_ids: list[int] = field(default_factory=list)  # the completion so far, tool images unexpanded
+    # Each turn with images: where it starts in the completion, and its per-token extras.
+    _aligned: list[tuple[int, dict[str, list[int]]]] = field(default_factory=list)
+
+    def add_tokens(self, ids: list[int]) -> None:
+        """Tokens without images (a model turn, a tool turn of text) continue the completion as they are."""
+        self.unexpanded_ids += ids
+
+    def add_turn(self, turn: EncodedTurn, images: list[Any], start: int) -> None:
+        """A tool turn with ``images``, placed at ``start`` in the completion."""
+        self.images += images
+        self.pixel_inputs.append(turn.pixel_inputs)
+        self.unexpanded_ids += turn.unexpanded_ids
+        self._aligned.append((start, turn.token_aligned))
+
+    def aligned_keys(self) -> list[str]:
+        """The per-token extras the tool turns have."""
+        return list(dict.fromkeys(key for _, extras in self._aligned for key in extras))
+
+    def aligned(self, key: str, length: int) -> list[int]:
+        """The per-token extra ``key`` over the first ``length`` tokens of the completion (0 outside its turns)."""
+        values = [0] * length
+        for start, extras in self._aligned:
+            turn = extras.get(key, [])[: max(0, length - start)]
+            values[start : start + len(turn)] = turn
+        return values

@@ -24,6 +24,7 @@ from targetpo.generation.base import check_expanded_prompts
 from targetpo.vision import (
     collate_pixel_inputs,
     encode_prompts_with_images,
+    encode_turn_with_images,
     placeholder_token_ids,
     prompt_images,
     with_image_parts,
@@ -391,13 +392,14 @@ def test_a_vllm_server_samples_from_the_prompts_images_sent_as_png(tmp_path):
 # ------------------------------------------------------------------------------------------------ tools
 def bits_template(image_placeholder):
     """The model's turn is bits, read as a call of `flip` with them; the tool's answer comes back between "=" signs;
-    a turn with no bits ends the sample. User messages may hold image parts."""
+    a turn with no bits ends the sample. User and tool messages may hold image parts."""
+    parts = ("{% for part in m.content %}{% if part.type == 'image' %}" + image_placeholder +
+             "{% else %}{{ part.text }}{% endif %}{% endfor %}")
     return (
         "{% for m in messages %}{% if m.role == 'assistant' %}"
         "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.bits }}{% else %}{{ m.content }}{% endif %}<eos>"
-        "{% elif m.role == 'tool' %}={{ m.content }}={% elif m.content is string %}{{ m.content }}"
-        "{% else %}{% for part in m.content %}{% if part.type == 'image' %}" + image_placeholder +
-        "{% else %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+        "{% elif m.role == 'tool' %}={% if m.content is string %}{{ m.content }}{% else %}" + parts + "{% endif %}="
+        "{% elif m.content is string %}{{ m.content }}{% else %}" + parts + "{% endif %}{% endfor %}"
     )
 
 
@@ -461,7 +463,7 @@ def tool_calling_vlm(tmp_path, architecture, model, processor, environment=False
                            train_dataset=dataset, processing_class=processor, **multi_turn)
 
 
-def test_an_image_returned_by_a_tool_fails_the_call_rather_than_reaching_the_model_as_text():
+def test_an_image_returned_by_a_tool_fails_the_call_of_a_text_only_policy_rather_than_reaching_it_as_text():
     from targetpo.tools import AsyncRunner, Toolbox, run_tool_calls
 
     results = {"photo": random_image(0), "photos": [random_image(1)], "part": {"type": "image_url", "url": "x"},
@@ -486,60 +488,210 @@ def test_an_image_returned_by_a_tool_fails_the_call_rather_than_reaching_the_mod
     toolbox = Toolbox([look, look_later])
     calls = [(toolbox, {"type": "function", "function": {"name": name, "arguments": {"what": what}}})
              for name in ("look", "look_later") for what in results]
-    with pytest.warns(UserWarning, match="returned an image; images in tool results are not supported yet"):
+    with pytest.warns(UserWarning, match="returned an image, which a text-only policy cannot read.*processor"):
         outcomes = run_tool_calls(calls, AsyncRunner())
     assert [outcome.failed for outcome in outcomes] == [True, True, True, False] * 2
-    assert all("returned an image; images in tool results are not supported" in outcome.message["content"]
+    assert all("returned an image; this model reads text only" in outcome.message["content"]
                for outcome in outcomes if outcome.failed)
     assert outcomes[3].message["content"] == outcomes[7].message["content"] == '{"colour": "red"}'
 
 
-@pytest.mark.parametrize("architecture, environment", [("qwen2_vl", False), ("gemma3", False), ("idefics3", False),
-                                                       ("gemma3", True)])
-def test_tool_calling_rollouts_carry_the_images_into_every_turn_and_the_training_pass(
-    tmp_path, architecture, environment
-):
-    model, processor = build_tiny_vlm(architecture)
-    trainer = tool_calling_vlm(tmp_path, architecture, model, processor, environment)
-    turns = []
-    backend = trainer.rollout_backend
-    original = backend.generate
+def test_a_vision_language_policys_tool_results_become_content_parts_and_an_image_without_pixels_is_an_error():
+    from targetpo.tools import AsyncRunner, Toolbox, run_tool_calls
+
+    photo, other = random_image(0), random_image(1)
+    results = {"photo": photo, "mixed": ["Here:", other, {"n": 1}],
+               "parts": [{"type": "text", "text": "A"}, {"type": "image", "image": photo}],
+               "url": {"type": "image_url", "url": "x"}, "empty": [{"type": "image"}], "text": "plain"}
+
+    def look(what: str):
+        """Look.
+
+        Args:
+            what: what to look at.
+        """
+        return results[what]
+
+    calls = [(Toolbox([look]), {"type": "function", "function": {"name": "look", "arguments": {"what": what}}})
+             for what in results]
+    outcomes = run_tool_calls(calls, AsyncRunner(), images_allowed=True)
+    contents = [outcome.message["content"] for outcome in outcomes]
+    assert contents[0] == [{"type": "image", "image": photo}]
+    assert contents[1] == [{"type": "text", "text": "Here:"}, {"type": "image", "image": other},
+                           {"type": "text", "text": '{"n": 1}'}]
+    assert contents[2] == results["parts"]
+    assert contents[3].startswith("Error: look returned an image_url part: the trainer needs the pixels")
+    assert contents[4].startswith("Error: look returned an image part without its image")
+    assert contents[5] == "plain"
+    assert [outcome.failed for outcome in outcomes] == [False, False, False, True, True, False]
+
+
+def test_a_chat_template_that_drops_a_tool_messages_image_is_refused_naming_the_template():
+    _, processor = build_tiny_vlm("qwen2_vl")  # its processor ignores an image whose placeholder is missing
+    with pytest.raises(ValueError, match="renders the tool message without an image placeholder"):
+        encode_turn_with_images(processor, "=some text=", [random_image(0)])
+
+
+LOOK_RESPONSE_TEMPLATE = {**BITS_RESPONSE_TEMPLATE, "fields": {"tool_calls": {
+    **BITS_RESPONSE_TEMPLATE["fields"]["tool_calls"],
+    "transform": {"type": "function", "function": {"name": "look", "arguments": {"bits": "{content}"}}}}}}
+#: What `look` returns for the bits it is called with, in each form a tool may give an image.
+TOOL_IMAGE_FORMS = {
+    "image": lambda bits, image: image,
+    "mixed": lambda bits, image: [flip(bits), image],
+    "parts": lambda bits, image: [{"type": "image", "image": image}, {"type": "text", "text": flip(bits)}],
+}
+
+
+def image_tool_vlm(tmp_path, architecture, form, prompt_images, text_only=False, built=None, **overrides):
+    """A trainer whose tiny VLM is scripted to call `look` every turn (one bit, then EOS) and whose `look` answers with
+    an image (one per bit value, in ``form``); its prompts hold an image each or none. Conversations reach
+    ``trainer.conversations`` as the reward function receives them. ``text_only``: the policy is given the
+    processor's tokenizer alone; ``built``: the model and processor to use."""
+    # Two text layers: with one, text positions never see how image positions attend to each other.
+    model, processor = built or build_tiny_vlm(architecture, text_layers=2)
+    tokenizer = processor.tokenizer
+    script_one_bit_turns(model, tokenizer)
+    processor.chat_template = tokenizer.chat_template = bits_template(PLACEHOLDERS[architecture])
+    tokenizer.response_template = LOOK_RESPONSE_TEMPLATE
+    allowed = {tokenizer.convert_tokens_to_ids(bit) for bit in "01"} | {tokenizer.eos_token_id}
+    images = {"0": random_image(20, size=30), "1": random_image(21, size=50)}
+
+    def look(bits: str):
+        """Look at the picture of the bits.
+
+        Args:
+            bits: a string of 0s and 1s.
+        """
+        return TOOL_IMAGE_FORMS[form](bits, images[bits[-1]])
+
+    conversations = []
+
+    def reward(completions, **kwargs):
+        conversations.extend(completions)
+        return bits_reward(completions)
+
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_steps=1, max_completion_length=64,
+                    skip_zero_gradient_completions=False,
+                    max_tool_calling_iterations=2, max_prompt_length=None, learning_rate=0.003,
+                    generation_kwargs={"suppress_tokens": [i for i in range(len(tokenizer)) if i not in allowed]})
+    columns = {"prompt": [[{"role": "user", "content": bits + "="}] for bits in ("0110", "1", "00", "10")]}
+    if prompt_images:
+        columns["image"] = [random_image(index) for index in range(4)]
+    trainer = TargetPOTrainer(model, reward, args=make_config(tmp_path, **{**settings, **overrides}),
+                              train_dataset=Dataset.from_dict(columns),
+                              processing_class=tokenizer if text_only else processor,
+                              tools=[look])
+    trainer.conversations = conversations
+    return trainer, processor
+
+
+def recorded_turns(backend):
+    """Record what each of the backend's generate calls got: the ids and the images."""
+    turns, original = [], backend.generate
 
     def recording(prompt_ids, prompt_mask, max_new_tokens=None, images=None):
-        turns.append((prompt_ids.clone(), images))
+        turns.append((prompt_ids.clone(), prompt_mask.clone(), images))
         return original(prompt_ids, prompt_mask, max_new_tokens, images)
 
     backend.generate = recording
+    return turns
+
+
+@pytest.mark.parametrize("architecture, form, prompt_images", [
+    ("qwen2_vl", "image", True), ("qwen2_vl", "parts", False), ("gemma3", "mixed", True), ("gemma3", "image", False),
+    ("idefics3", "parts", True),
+])
+def test_a_tools_image_is_expanded_in_the_tool_turn_and_seen_by_every_later_turn_and_the_training_pass(
+    tmp_path, architecture, form, prompt_images
+):
+    trainer, processor = image_tool_vlm(tmp_path, architecture, form, prompt_images)
+    turns = recorded_turns(trainer.rollout_backend)
     rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
     trainer.model.train()
     batch = trainer._rollout(rows, mode="train")
-    assert len(turns) == 3, "each turn is scripted as a call: two rounds of calls, then a third turn"
-    # Every turn brought each continued sample's own pixels, and per-token extras as wide as its ids.
-    row_of = {id(row["image"]): index for index, row in enumerate(rows)}
-    for ids, images in turns:
-        assert images is not None and len(images.images) == ids.size(0)
-        pixels = collate_pixel_inputs([batch["pixel_inputs"][row_of[id(image)]] for image, in images.images])
-        assert torch.equal(images.model_inputs["pixel_values"], pixels["pixel_values"])
-        for key in ("token_type_ids", "mm_token_type_ids"):
-            if key in images.model_inputs:
-                assert images.model_inputs[key].shape == ids.shape
-    # The training pass reads each row's pixels over its whole sequence: prompt, model turns and tool turns.
     logps, _ = trainer._token_logps(trainer.model, batch)
+    assert len(turns) == 3, "each turn is scripted as a call: two rounds of calls, then a third turn"
+    suppressed = sorted(trainer.sampling.suppressed_token_ids)
     mask = batch["completion_mask"].bool()
-    assert (mask.sum(1) < batch["completion_attention_mask"].sum(1)).any(), "no tool turn in any completion"
-    for index, row in enumerate(rows):
-        prompt = row["prompt"]
-        if environment:  # the reset's text, after the message's parts
-            prompt = [{**prompt[0], "content": [*prompt[0]["content"], {"type": "text", "text": "="}]}]
-        text = processor.apply_chat_template(with_image_parts(prompt, 1, index), tokenize=False,
-                                             add_generation_prompt=True)
+    for index, (row, conversation) in enumerate(zip(rows, trainer.conversations)):
+        # The whole sample, hand-built: the prompt and the conversation rendered, encoded with every image in order.
+        prompt_images_ = [row["image"]] if prompt_images else []
+        messages = with_image_parts([row["prompt"][0]], len(prompt_images_), index) + conversation
+        tool_images = [part["image"] for message in conversation if message["role"] == "tool"
+                       for part in message["content"] if part["type"] == "image"]
+        assert len(tool_images) == 2, "each of the two tool turns brought an image"
+        text = processor.apply_chat_template(messages, tokenize=False)
+        encoded = processor(text=[text], images=[prompt_images_ + tool_images], return_tensors="pt")
+        prompt = batch["prompt_ids"][index][batch["prompt_mask"][index].bool()]
         length = int(batch["completion_attention_mask"][index].sum())
-        expected = reference_logps(trainer.model, processor, text, [row["image"]],
-                                   batch["completion_ids"][index, :length], sorted(trainer.sampling.suppressed_token_ids))
+        completion = batch["completion_ids"][index, :length]
+        # The tool turns hold the image placeholders expanded as the processor expands them.
+        assert encoded["input_ids"][0].tolist() == prompt.tolist() + completion.tolist()
+        # The training pass reads the tool images' per-token extras over the completion, as the processor gives them.
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            if key in encoded:
+                aligned = batch[f"completion_aligned/{key}"][index, :length]
+                assert torch.equal(aligned, encoded[key][0, len(prompt) :]) and aligned.any()
+        # The training pass's log-probs are those of one plain forward pass over the sequence with all its images.
+        expected = forward_logps(trainer.model, encoded, len(prompt), suppressed)
         torch.testing.assert_close(logps[index, :length][mask[index, :length]], expected[mask[index, :length]],
                                    atol=1e-5, rtol=1e-5)
-    backend.generate = original
+        # Every later turn was generated with the sample's images so far, their per-token extras over its context.
+        for turn, (ids, context_mask, images) in enumerate(turns[1:], start=1):
+            context = ids[index][context_mask[index].bool()]
+            assert images.images[index] == prompt_images_ + tool_images[:turn]
+            for key in ("token_type_ids", "mm_token_type_ids"):
+                if key in encoded:
+                    extras = images.model_inputs[key][index][context_mask[index].bool()]
+                    assert torch.equal(extras, encoded[key][0, : len(context)])
+    for turn, (_, _, images) in enumerate(turns[1:], start=1):  # and with the pixels the training pass reads
+        seen = (1 if prompt_images else 0) + turn
+        pixels = collate_pixel_inputs([collate_pixel_inputs(split_pixels(row_pixels)[:seen])
+                                       for row_pixels in batch["pixel_inputs"]])
+        torch.testing.assert_close(images.model_inputs["pixel_values"], pixels["pixel_values"])
+    if prompt_images:
+        assert turns[0][2].images == [[row["image"]] for row in rows]
+    else:
+        assert turns[0][2] is None, "before any tool image a text prompt is generated from as text"
     trainer.train()
+
+
+def split_pixels(row_pixels):
+    """A row's pixel inputs one image at a time (one image per prompt or tool turn here)."""
+    if "image_grid_thw" in row_pixels:  # Qwen2-VL: patch rows per image, as its grid says
+        sizes = row_pixels["image_grid_thw"].prod(-1).tolist()
+        values = row_pixels["pixel_values"].split(sizes)
+        return [{"pixel_values": value, "image_grid_thw": grid[None]}
+                for value, grid in zip(values, row_pixels["image_grid_thw"])]
+    count = row_pixels["pixel_values"].size(0)
+    return [{key: value[image : image + 1] for key, value in row_pixels.items()} for image in range(count)]
+
+
+def forward_logps(model, encoded, prompt_length, suppressed):
+    """Token log-probs of everything after ``prompt_length`` from one plain forward pass of a processor's encoding
+    of a whole sequence, without the ``suppressed`` tokens, which generation never samples."""
+    device = next(model.parameters()).device
+    encoded = {key: value.to(device) for key, value in encoded.items() if torch.is_tensor(value)}
+    with torch.no_grad():
+        logits = model(**encoded).logits[0]
+    ids = encoded["input_ids"][0]
+    logits = logits[prompt_length - 1 : -1].float()
+    logits[:, suppressed] = float("-inf")
+    return logits.log_softmax(-1).gather(-1, ids[prompt_length:, None]).squeeze(-1)
+
+
+def test_a_text_only_policys_tool_image_is_answered_with_an_error_it_reads(tmp_path):
+    # The same vision-language model, given its tokenizer rather than its processor: a text-only policy.
+    trainer, _ = image_tool_vlm(tmp_path, "gemma3", "image", prompt_images=False, text_only=True,
+                                max_completion_length=200)  # room for the error texts
+    rows = [trainer.train_dataset[i] for i in (0, 0, 1, 1)]
+    with pytest.warns(UserWarning, match="returned an image, which a text-only policy cannot read"):
+        batch = trainer._rollout(rows, mode="train")
+    assert batch.pixel_inputs is None and not batch.completion_aligned
+    for conversation in trainer.conversations:
+        answers = [message["content"] for message in conversation if message["role"] == "tool"]
+        assert answers == ["Error: look returned an image; this model reads text only. Return text."] * 2
 
 
 @pytest.mark.slow
@@ -559,6 +711,47 @@ def test_tool_calling_rollouts_on_a_colocated_vllm_engine_sample_every_turn_from
     # expansion matched the trainer's context, and its log-probs of every model token are the trainer's.
     differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
     assert len(differences) == 3 and max(differences) < 1e-4, differences
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_colocated_vllm_engine_samples_every_turn_after_a_tool_image_with_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    trainer, _ = image_tool_vlm(tmp_path, "idefics3", "mixed", prompt_images=True, built=build_tiny_idefics3(hidden=128),
+                                use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2, max_steps=2)
+    trainer.train()
+    history = trainer.state.log_history
+    rollouts = [entry for entry in history if "multi_turn/turns_per_sample" in entry]
+    assert len(rollouts) == 2 and all(entry["multi_turn/turns_per_sample"] == 3 for entry in rollouts)
+    assert all(entry["tools/failure_frequency"] == 0 for entry in rollouts)
+    assert all(sum(part["type"] == "image" for message in conversation if message["role"] == "tool"
+                   for part in message["content"]) == 2 for conversation in trainer.conversations)
+    # The engine expanded each tool image's placeholder in the unexpanded context as the processor did (else the
+    # rollout is refused), and its log-probs of every model token, after the tool images too, are the trainer's.
+    differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 2 and max(differences) < 1e-4, differences
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_server_samples_every_turn_after_a_tool_image_with_it_sent_as_png(tmp_path):
+    from vllm_serve import served_vllm
+
+    served_model, served_processor = build_tiny_idefics3(seed=7, hidden=128)  # other weights: pushes must land
+    served_model.save_pretrained(tmp_path / "served")
+    served_processor.save_pretrained(tmp_path / "served")
+    with served_vllm(tmp_path / "served", tmp_path / "server.log") as base_url:
+        trainer, _ = image_tool_vlm(tmp_path, "idefics3", "image", prompt_images=False,
+                                    built=build_tiny_idefics3(hidden=128), use_vllm=True, vllm_mode="server",
+                                    vllm_server_base_url=base_url, vllm_server_timeout=180, max_steps=2)
+        trainer.train()
+    history = trainer.state.log_history
+    rollouts = [entry for entry in history if "multi_turn/turns_per_sample" in entry]
+    assert len(rollouts) == 2 and all(entry["multi_turn/turns_per_sample"] == 3 for entry in rollouts)
+    differences = [entry["vllm/logp_abs_diff"] for entry in history if "vllm/logp_abs_diff" in entry]
+    assert len(differences) == 2 and max(differences) < 1e-4, differences
 
 
 # ------------------------------------------------------------------------------------------------ rollout_func

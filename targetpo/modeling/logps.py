@@ -371,6 +371,7 @@ def completion_logps(
     router_aux_loss: bool = False,
     image_inputs: dict[str, torch.Tensor] | None = None,
     prompt_aligned: dict[str, torch.Tensor] | None = None,
+    completion_aligned: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``: two ``(B, C)`` tensors.
 
@@ -389,10 +390,16 @@ def completion_logps(
     ``router_aux_loss`` (mixture-of-experts models) the forward pass also computes the router's load-balancing loss,
     returned as a third value. Prompts with images bring the model's per-image inputs (``image_inputs``: pixel
     values, image grids, ...) and per-token inputs aligned with ``prompt_ids`` (``prompt_aligned``: token type ids),
-    which read 0 over the completion.
+    which read 0 over the completion, except where ``completion_aligned`` gives them (images in tool results).
     """
     inputs, kept_columns = _trimmed_inputs(
-        prompt_ids, prompt_mask, completion_ids, completion_attention_mask, image_inputs, prompt_aligned
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_attention_mask,
+        image_inputs,
+        prompt_aligned,
+        completion_aligned,
     )
     if use_position_ids:  # counting only attended tokens, exactly as generate numbered them
         inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
@@ -426,6 +433,7 @@ def _trimmed_inputs(
     completion_attention_mask: torch.Tensor,
     image_inputs: dict[str, torch.Tensor] | None,
     prompt_aligned: dict[str, torch.Tensor] | None,
+    completion_aligned: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """The model's inputs for prompt + completion without the columns no row uses (the prompts' left padding, the
     completions' right padding), and how many completion columns they keep (at least 1)."""
@@ -437,9 +445,14 @@ def _trimmed_inputs(
         [prompt_mask[:, first_prompt_column:], completion_attention_mask[:, :kept_columns]], dim=1
     ).long()
     inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, **(image_inputs or {})}
-    for key, value in (prompt_aligned or {}).items():
-        completion_part = value.new_zeros(value.size(0), kept_columns)
-        inputs[key] = torch.cat([value[:, first_prompt_column:], completion_part], dim=1)
+    prompt_aligned, completion_aligned = prompt_aligned or {}, completion_aligned or {}
+    for key in dict.fromkeys([*prompt_aligned, *completion_aligned]):
+        prompt_part = prompt_aligned.get(key)
+        prompt_part = prompt_ids.new_zeros(prompt_ids.shape) if prompt_part is None else prompt_part
+        completion_part = completion_aligned.get(key)
+        if completion_part is None:
+            completion_part = prompt_part.new_zeros(prompt_part.size(0), kept_columns)
+        inputs[key] = torch.cat([prompt_part[:, first_prompt_column:], completion_part[:, :kept_columns]], dim=1)
     return inputs, kept_columns
 
 

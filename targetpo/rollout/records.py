@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 
-#: Keys under which per-token extras of prompts with images are read and written one by one.
+#: Keys under which per-token extras of prompts with images, and of completions whose tool results hold images, are
+#: read and written one by one.
 PROMPT_ALIGNED = "prompt_aligned/"
+COMPLETION_ALIGNED = "completion_aligned/"
+_ALIGNED = {PROMPT_ALIGNED: "prompt_aligned", COMPLETION_ALIGNED: "completion_aligned"}
 
 
 @dataclass
@@ -49,9 +52,11 @@ class RolloutBatch:
     advantages: torch.Tensor  # (rows,) u: the scores whitened within their group
     sample_index: torch.Tensor  # (rows,) each row's place in the whole rollout, over every process
     rollout: int = 0  # which rollout of the run (1, 2, ...)
-    # Prompts with images: each row's per-image model inputs, and per-token extras of the prompt (by name).
+    # Prompts (or tool results) with images: each row's per-image model inputs, in the order of their tokens, and
+    # per-token extras of the prompt and of the completion (by name; the completion's: the tool images' tokens).
     pixel_inputs: list[Any] | None = None
     prompt_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
+    completion_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per-token log-probs of the completions: the sampler's (vLLM), the policy's at rollout time (when the weights
     # move before the rollout is trained on), the reference model's (beta > 0).
     sampler_per_token_logps: torch.Tensor | None = None
@@ -76,7 +81,7 @@ class RolloutBatch:
             value = getattr(self, spec.name)
             if torch.is_tensor(value) or spec.name == "pixel_inputs" and value is not None:
                 value = value[index]
-            elif spec.name == "prompt_aligned":
+            elif spec.name in _ALIGNED.values():
                 value = {key: tensor[index] for key, tensor in value.items()}
             elif spec.name == "cache":
                 value = value.rows(index)
@@ -106,8 +111,9 @@ class RolloutBatch:
     def __setitem__(self, key: str, value: Any) -> None:
         if key in _CACHED:
             setattr(self.cache, key, value)
-        elif key.startswith(PROMPT_ALIGNED):
-            self.prompt_aligned[key[len(PROMPT_ALIGNED) :]] = value
+        elif _aligned_prefix(key) is not None:
+            prefix = _aligned_prefix(key)
+            getattr(self, _ALIGNED[prefix])[key[len(prefix) :]] = value
         elif key in _FIELDS:
             setattr(self, key, value)
         else:
@@ -121,9 +127,10 @@ class RolloutBatch:
         return default if value is None else value
 
     def keys(self) -> Iterator[str]:
-        names = [name for name in _FIELDS if name not in ("cache", "prompt_aligned")] + sorted(_CACHED)
+        names = [name for name in _FIELDS if name not in ("cache", *_ALIGNED.values())] + sorted(_CACHED)
         yield from (name for name in names if name in self)
-        yield from (PROMPT_ALIGNED + name for name in self.prompt_aligned)
+        for prefix, field_name in _ALIGNED.items():
+            yield from (prefix + name for name in getattr(self, field_name))
 
     def items(self) -> Iterator[tuple[str, Any]]:
         return ((key, self[key]) for key in self.keys())
@@ -131,11 +138,17 @@ class RolloutBatch:
     def _lookup(self, key: str) -> Any:
         if key in _CACHED:
             return getattr(self.cache, key)
-        if key.startswith(PROMPT_ALIGNED):
-            return self.prompt_aligned.get(key[len(PROMPT_ALIGNED) :])
-        if key in _FIELDS and key not in ("cache", "prompt_aligned"):
+        prefix = _aligned_prefix(key)
+        if prefix is not None:
+            return getattr(self, _ALIGNED[prefix]).get(key[len(prefix) :])
+        if key in _FIELDS and key not in ("cache", *_ALIGNED.values()):
             return getattr(self, key)
         return None
+
+
+def _aligned_prefix(key: str) -> str | None:
+    """The per-token-extras prefix ``key`` starts with, if any."""
+    return next((prefix for prefix in _ALIGNED if key.startswith(prefix)), None)
 
 
 def _values(cache: StepCache) -> list[Any]:

@@ -116,6 +116,7 @@ class RolloutScorer:
             sample_index=torch.arange(local.start, local.stop, device=device),
             pixel_inputs=sourced.pixel_inputs,
             prompt_aligned=sourced.token_aligned if sourced.pixel_inputs is not None else {},
+            completion_aligned=sourced.completion_aligned,
             sampler_per_token_logps=completions.sampler_logps,
         )
         return ScoredRollout(

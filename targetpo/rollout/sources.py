@@ -30,7 +30,7 @@ from ..generation import Completions, PromptImages, unpadded_prompts
 from ..modeling.loading import max_positions
 from ..multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
 from ..rewards import REWARD_ARGUMENTS
-from ..vision import EncodedPrompts, prompt_images, with_image_objects
+from ..vision import EncodedPrompts, ImagesAfterPrompt, collate_pixel_inputs, prompt_images, with_image_objects
 from .prompts import PromptEncoder, RolloutPrompts
 from .scheduler import check_takes_images
 
@@ -49,8 +49,9 @@ class SourcedRollout:
     completions: Completions
     conversations: list[list[dict[str, Any]]] | None = None  # multi-turn: each sample's whole conversation
     columns: dict[str, list[Any]] = field(default_factory=dict)  # reward-function arguments beside the prompts
-    pixel_inputs: list[Any] | None = None  # prompts with images: each row's per-image model inputs
+    pixel_inputs: list[Any] | None = None  # prompts (or tool results) with images: each row's per-image model inputs
     token_aligned: dict[str, torch.Tensor] = field(default_factory=dict)  # and the prompts' per-token extras
+    completion_aligned: dict[str, torch.Tensor] = field(default_factory=dict)  # the tool images' per-token extras
     tools: list[list[dict[str, Any]]] | None = None  # each prompt's tool schemas, where each sample has its own
 
     def with_images_of(self, encoded: EncodedPrompts | None) -> SourcedRollout:
@@ -62,6 +63,7 @@ class SourcedRollout:
     def padded_to_multiple(self, multiple: int, pad_id: int) -> SourcedRollout:
         """Prompts (left) and completions (right) padded to lengths that are multiples of ``multiple``."""
         extra_columns = -self.prompt_ids.size(1) % multiple
+        completions = self.completions.padded_to_multiple(multiple, pad_id)
         return dataclasses.replace(
             self,
             prompt_ids=nn.functional.pad(self.prompt_ids, (extra_columns, 0), value=pad_id),
@@ -69,7 +71,11 @@ class SourcedRollout:
             token_aligned={
                 key: nn.functional.pad(value, (extra_columns, 0)) for key, value in self.token_aligned.items()
             },
-            completions=self.completions.padded_to_multiple(multiple, pad_id),
+            completions=completions,
+            completion_aligned={
+                key: nn.functional.pad(value, (0, completions.ids.size(1) - value.size(1)))
+                for key, value in self.completion_aligned.items()
+            },
         )
 
 
@@ -201,7 +207,10 @@ class ToolRollouts(EpisodeRollouts):
         images_of_turn = None
         if encoded.images is not None:
             check_takes_images(backend)
-            images_of_turn = _images_of_turn(encoded)
+            images_of_turn = _images_of_turn(encoded.encoded, encoded.images.images, backend)
+        elif player.tool_loop.processor is not None:  # text prompts: tool results may bring the first images
+            without = EncodedPrompts.without_images(encoded.ids, encoded.mask)
+            images_of_turn = _images_of_turn(without, [[] for _ in rows], backend, prompts_have_images=False)
         # A collective backend needs every process to generate each turn: they agree on whether any still has one.
         agree = self._any_process if backend.collective else None
         with player.guard("generating the multi-turn completions", local=not backend.collective):
@@ -220,8 +229,8 @@ class ToolRollouts(EpisodeRollouts):
             rollout.conversations,
             columns,
             tools=played.tools,
-        )
-        return sourced.with_images_of(encoded.encoded)
+        ).with_images_of(encoded.encoded)
+        return _with_tool_images(sourced, rollout.images, rollout.completion_aligned)
 
     def _record_tool_metrics(self, rollout: MultiTurnRollout, mode: str, device: torch.device) -> None:
         metrics = self.trainer._metrics[mode]
@@ -238,13 +247,34 @@ class ToolRollouts(EpisodeRollouts):
         return bool(accelerator.gather(torch.tensor([active], device=accelerator.device)).any())
 
 
-def _images_of_turn(prompts: RolloutPrompts) -> Any:
-    """The images of the samples still generating, as each turn's backend call takes them."""
+def _images_of_turn(
+    encoded: EncodedPrompts, images: list[list[Any]], backend: Any, prompts_have_images: bool = True
+) -> Any:
+    """The images of the samples still generating (their prompts', then their tool results'), as each turn's backend
+    call takes them; for text prompts, None until a tool result brings an image."""
 
-    def images_of_turn(active: list[int], contexts: list[list[int]]) -> PromptImages:
-        return prompt_images(prompts.encoded, prompts.images.images, active, contexts)
+    def images_of_turn(
+        active: list[int], contexts: list[list[int]], after: list[ImagesAfterPrompt]
+    ) -> PromptImages | None:
+        if not prompts_have_images:
+            if not any(later.images for later in after):
+                return None
+            check_takes_images(backend)
+        return prompt_images(encoded, images, active, contexts, after)
 
     return images_of_turn
+
+
+def _with_tool_images(
+    sourced: SourcedRollout, images: list[ImagesAfterPrompt] | None, completion_aligned: dict[str, torch.Tensor]
+) -> SourcedRollout:
+    """The rollout with each row's pixel inputs covering its tool results' images after its prompt's (the order the
+    model meets their tokens in), and their per-token extras over the completions."""
+    if images is None:
+        return sourced
+    prompt_pixels = sourced.pixel_inputs or [{} for _ in images]
+    pixel_inputs = [collate_pixel_inputs([prompt, *later.pixel_inputs]) for prompt, later in zip(prompt_pixels, images)]
+    return dataclasses.replace(sourced, pixel_inputs=pixel_inputs, completion_aligned=completion_aligned)
 
 
 @dataclass
