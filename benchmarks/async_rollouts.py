@@ -13,7 +13,13 @@ On a CPU vLLM binds its worker's threads to all cores but one, which it leaves t
 of the trainer are compared: `shared` (the trainer's torch threads on every core, as by default) and `split` (the
 trainer pinned, with one thread, to the core the worker leaves free), where generating ahead has a core to itself.
 
+With ``--task lock`` the rollouts are agent episodes: the embedded lock (``targetpo.demo.Lock``), one ``press`` call
+per turn, each call taking ``--tool_seconds`` on average (a tool's own latency, drawn per call between 0 and twice
+that), the samples' calls side by side (``tool_call_concurrency``). Asynchronous rollouts then play the next
+rollout's episodes (turns and tool calls) on a thread of their own. Reported as well: episodes per second.
+
     python benchmarks/async_rollouts.py --output docs/benchmarks/async_rollouts.json
+    python benchmarks/async_rollouts.py --task lock --output docs/benchmarks/async_agent_rollouts.json
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--num_heads", type=int, default=4, help="hidden_size / num_heads must be a head size vLLM's "
                         "CPU attention accepts (32, 64, 80, 96, 112, 128, ...).")
+    parser.add_argument("--task", choices=("reverse", "lock"), default="reverse",
+                        help="reverse: one completion per prompt; lock: multi-turn episodes with tool calls.")
+    parser.add_argument("--lock_keys", type=int, default=4, help="lock: keys to press, one tool call per turn.")
+    parser.add_argument("--tool_seconds", type=float, default=0.1, help="lock: a tool call's mean latency.")
     parser.add_argument("--prompts", type=int, default=8, help="Prompts per rollout (one rollout per optimiser step).")
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--completion_length", type=int, default=48)
@@ -63,6 +73,75 @@ def reversal_fraction_reward(completions: list[str], target: list[str], **kwargs
     return [sum(a == b for a, b in zip(text, expected)) / len(expected) for text, expected in zip(completions, target)]
 
 
+class SlowLock:
+    """The lock, whose ``press`` takes a tool's time: drawn per call between 0 and twice ``seconds``."""
+
+    seconds = 0.1
+
+    def __init__(self) -> None:
+        import random
+
+        from targetpo.demo import Lock
+
+        self.lock, self.random = Lock(), random.Random(0)
+
+    def reset(self, **row) -> None:
+        self.random.seed(row["code"])  # each prompt's calls take the same times in every run
+        self.lock.reset(**row)
+
+    def press(self, number: int) -> str:
+        """Press one key of the lock.
+
+        Args:
+            number: the key, 0 or 1.
+        """
+        time.sleep(self.random.uniform(0, 2 * self.seconds))
+        return self.lock.press(number)
+
+    def get_reward(self) -> float:
+        return self.lock.get_reward()
+
+
+def task_settings(args: argparse.Namespace) -> dict:
+    """The task's tokenizer, its config settings and the trainer's data, reward or environment."""
+    from targetpo.demo import (
+        binary_only_generation_kwargs,
+        digits_only_generation_kwargs,
+        lock_dataset,
+        lock_tokenizer,
+        reverse_task_dataset,
+        reverse_task_tokenizer,
+    )
+
+    prompts = max(256, args.prompts * args.steps)
+    if args.task == "reverse":
+        tokenizer = reverse_task_tokenizer()
+        return {
+            "tokenizer": tokenizer,
+            "settings": {
+                "max_completion_length": args.completion_length,
+                # '0' and '1' only: EOS never ends a completion
+                "generation_kwargs": binary_only_generation_kwargs(tokenizer),
+            },
+            "trainer": {
+                "reward_funcs": reversal_fraction_reward,
+                "train_dataset": reverse_task_dataset(length=6, num_prompts=prompts, seed=0),
+            },
+        }
+    tokenizer = lock_tokenizer()
+    SlowLock.seconds = args.tool_seconds
+    return {
+        "tokenizer": tokenizer,
+        "settings": {
+            "max_completion_length": 4 * args.lock_keys + 4,
+            "max_tool_calling_iterations": args.lock_keys,
+            "tool_call_concurrency": args.prompts * args.num_generations,  # every sample's call side by side
+            "generation_kwargs": digits_only_generation_kwargs(tokenizer, "01"),
+        },
+        "trainer": {"environment_factory": SlowLock, "train_dataset": lock_dataset(args.lock_keys, prompts, seed=0)},
+    }
+
+
 def trainer_cpu() -> int:
     """The core vLLM's CPU worker leaves to other processes: the last one this process may use."""
     return max(os.sched_getaffinity(0))
@@ -76,12 +155,7 @@ def train_once(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
 
     from targetpo import TargetPOConfig, TargetPOTrainer
-    from targetpo.demo import (
-        binary_only_generation_kwargs,
-        build_tiny_causal_lm,
-        reverse_task_dataset,
-        reverse_task_tokenizer,
-    )
+    from targetpo.demo import build_tiny_causal_lm
 
     if args.layout == "split":
         torch.set_num_threads(1)
@@ -98,14 +172,13 @@ def train_once(args: argparse.Namespace) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter())
 
-    tokenizer = reverse_task_tokenizer()
+    task = task_settings(args)
+    tokenizer = task["tokenizer"]
     config = TargetPOConfig(
         output_dir=str(Path(args.result).with_suffix("")),
         per_device_train_batch_size=args.prompts * args.num_generations,
         num_generations=args.num_generations,
-        max_completion_length=args.completion_length,
         max_prompt_length=32,
-        generation_kwargs=binary_only_generation_kwargs(tokenizer),  # '0' and '1' only: EOS never ends a completion
         learning_rate=1e-4,
         lr_scheduler_type="constant",
         max_steps=args.steps,
@@ -120,13 +193,13 @@ def train_once(args: argparse.Namespace) -> None:
         vllm_server_timeout=180,
         skip_zero_gradient_completions=False,  # the same work every step, whatever the rewards
         async_rollouts=args.run == "async",
+        **task["settings"],
     )
     trainer = TargetPOTrainer(
         model=build_tiny_causal_lm(tokenizer, args.hidden_size, args.num_layers, args.num_heads, seed=0),
-        reward_funcs=reversal_fraction_reward,
         args=config,
-        train_dataset=reverse_task_dataset(length=6, num_prompts=max(256, args.prompts * args.steps), seed=0),
         processing_class=tokenizer,
+        **task["trainer"],
     )
     clock = StepClock()
     trainer.add_callback(clock)
@@ -155,7 +228,9 @@ def train_once(args: argparse.Namespace) -> None:
         "generation_wait_seconds": logged("rollout/generation_wait_seconds"),
         "staleness_mean": logged("rollout/staleness_mean"),
         "mean_length": logged("completions/mean_length"),
-        "reward_mean": logged("rewards/reversal_fraction_reward/mean"),
+        "reward_mean": logged("reward"),
+        "episodes_per_s": rows * args.steps / total,
+        "turns_per_sample": logged("multi_turn/turns_per_sample"),
     }
     Path(args.result).write_text(json.dumps(result))
 
@@ -170,6 +245,7 @@ def summary(runs: list[dict], warmup: int) -> dict:
             statistics.mean(w for run in runs for w in run["generation_wait_seconds"]), 3
         ),
         "mean_staleness": round(statistics.mean(s for run in runs for s in run["staleness_mean"]), 3),
+        "episodes_per_s": round(statistics.mean(run["episodes_per_s"] for run in runs), 2),
     }
 
 
@@ -186,9 +262,9 @@ def main() -> None:
     sys.path.insert(1, str(REPOSITORY / "tests"))  # the tests' `vllm serve` launcher
     from vllm_serve import served_vllm
 
-    from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer
+    from targetpo.demo import build_tiny_causal_lm
 
-    tokenizer = reverse_task_tokenizer()
+    tokenizer = task_settings(args)["tokenizer"]
     runs: dict[str, dict[str, list]] = {layout: {"sync": [], "async": []} for layout in args.layouts}
     disturbed: list[dict] = []  # runs redone because other work kept the machine busy around them
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
@@ -206,7 +282,7 @@ def main() -> None:
                 result = Path(work) / f"{label}.json"
                 options = [f"--{name}={getattr(args, name)}" for name in
                            ("hidden_size", "num_layers", "num_heads", "prompts", "num_generations", "completion_length",
-                            "warmup_steps")]
+                            "warmup_steps", "task", "lock_keys", "tool_seconds")]
                 subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run", setting, "--layout", layout,
                                 "--url", base_url, "--result", str(result), f"--steps={steps}", *options],
                                env=env, check=True, stdout=subprocess.DEVNULL)
@@ -242,6 +318,9 @@ def main() -> None:
     result = {
         "model": {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
                   "parameters": parameters},
+        "task": args.task,
+        "lock_keys": args.lock_keys if args.task == "lock" else None,
+        "tool_seconds": args.tool_seconds if args.task == "lock" else None,
         "completions_per_step": args.prompts * args.num_generations,
         "completion_length": args.completion_length,
         "steps": args.steps,

@@ -383,9 +383,10 @@ class GRPOConfig(TrainingArguments):
     async_rollouts: bool = field(
         default=False,
         metadata={
-            "help": "Server mode: generate the next rollout while the current one trains. Weight pushes pause the "
-            "in-flight requests, which go on with the new weights; the importance weights correct for samples drawn "
-            "from older weights."
+            "help": "Server mode: generate the next rollout while the current one trains (with tools, environments "
+            "or rollout_func, its episodes play on a thread of their own). Weight pushes pause the in-flight "
+            "requests, which go on with the new weights; the importance weights correct for samples drawn from older "
+            "weights."
         },
     )
     max_staleness: Annotated[int, Range(at_least=1, why="in optimiser steps")] = field(
