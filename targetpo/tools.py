@@ -279,13 +279,15 @@ class AsyncRunner:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # episodes played ahead call it from their own thread too
 
     def run(self, awaitables: Sequence[Any]) -> list[Any]:
         """The results of all ``awaitables``, run concurrently; an exception is returned in place of its result."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name="targetpo-tools", daemon=True)
-            self._thread.start()
+        with self._starting:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="targetpo-tools", daemon=True)
+                self._thread.start()
 
         async def gather() -> list[Any]:
             return await asyncio.gather(*awaitables, return_exceptions=True)

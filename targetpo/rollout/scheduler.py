@@ -242,12 +242,14 @@ class RolloutScheduler:
         """Play the next rollout's episodes on a thread of their own, generating through this process's own
         connection to the backend; no collectives there (they would interleave with training's)."""
         backend = self.check_plays_ahead()
-        backend.start_playing(int(torch.randint(0, 2**31 - 1, (1,)).item()))  # from the run's seed, on this thread
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # drawn here, on the training thread: from the run's seed
         if self._episode_player is None:
             self._episode_player = ThreadPoolExecutor(max_workers=1, thread_name_prefix="targetpo-episodes")
         source = self.trainer._rollout_source
 
         def play() -> Any:
+            # Ready once the rollout before it (cancelled, maybe finishing a tool call) has left the thread.
+            backend.start_playing(seed)
             with self._generating_with(backend):
                 return source.play_ahead(rows)
 
