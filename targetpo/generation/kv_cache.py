@@ -139,7 +139,8 @@ class TurnCache:
 
     def continuation(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[DynamicCache, int] | None:
         """The cache of the first columns of left-padded ``prompt_ids``, built from the cached rows they extend, and
-        how many context tokens it holds; None when no column can come from the cache."""
+        how many context tokens it holds; None when no column can come from the cache. It uses this cache up: each
+        layer is released once copied, so the two are never both held whole."""
         width = prompt_ids.size(1)
         contexts = [_unpadded(ids, mask) for ids, mask in zip(prompt_ids, prompt_mask)]
         if not self.rows or any(context is None for context in contexts):
@@ -165,4 +166,6 @@ class TurnCache:
             values = layer.values[source_rows, :, source_columns].transpose(1, 2)
             padding = ~inside.view(inside.size(0), 1, columns, 1)
             continued.update(keys.masked_fill(padding, 0), values.masked_fill(padding, 0), index)
+            layer.keys = layer.values = None
+        self.rows = []
         return continued, int(taken.sum())
