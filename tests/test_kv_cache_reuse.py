@@ -147,3 +147,30 @@ def test_settings_that_change_the_cache_or_the_decoding_are_refused_for_continua
         assert continuation_problem(model, config, with_images=False, synced_gpus=False) is not None, key
     assert "images" in continuation_problem(model, base, with_images=True, synced_gpus=False)
     assert "synced_gpus" in continuation_problem(model, base, with_images=False, synced_gpus=True)
+
+
+def test_a_lora_adapted_policy_continues_the_cache_too():
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = guessing_tokenizer()
+    adapters = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # they change outputs
+    adapted = get_peft_model(scripted_model(tokenizer), adapters).eval()
+    continued, _, backend, _ = play(adapted, tokenizer, True, greedy=True)
+    prefilled, _, _, _ = play(adapted, tokenizer, False, greedy=True)
+    assert_same_rollout(continued, prefilled)
+    assert backend.cache_reuse.continued_turns == max(continued.turns) - 1 > 0
+
+
+def test_vision_language_models_and_prompt_learning_adapters_re_prefill():
+    from peft import PrefixTuningConfig, get_peft_model
+    from transformers.generation.configuration_utils import GenerationConfig
+    from vlm_models import build_tiny_vlm
+
+    from targetpo.generation.kv_cache import continuation_problem
+
+    sampling = GenerationConfig(do_sample=True)
+    vlm, _ = build_tiny_vlm("qwen2_vl")
+    assert "vision-language" in continuation_problem(vlm, sampling, with_images=False, synced_gpus=False)
+    prefixed = get_peft_model(scripted_model(guessing_tokenizer()), PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                                                        num_virtual_tokens=2))
+    assert "prompt-learning" in continuation_problem(prefixed, sampling, with_images=False, synced_gpus=False)

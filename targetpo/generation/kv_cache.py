@@ -57,7 +57,7 @@ def continuation_problem(
     peft_config = getattr(model, "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):
         return "a PEFT prompt-learning adapter, whose virtual tokens generate puts in the cache itself"
-    if not generation_config.use_cache:
+    if generation_config.use_cache is False:  # None is generate's default, which caches
         return "use_cache=False"
     if generation_config.cache_implementation is not None:
         return f"cache_implementation={generation_config.cache_implementation!r}, a cache of another layout"
