@@ -23,6 +23,7 @@ LAYERS = [
     "generation.base",
     "generation.gloo_transfer",
     "generation.sampling",
+    "generation.kv_cache",
     "generation.transformers_backend",
     "generation.vllm_backend",
     "generation.vllm_server",

@@ -203,8 +203,9 @@ class RolloutBackend:
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         """Keep the backend ready for several :meth:`generate` calls in a row (the turns of a multi-turn rollout):
-        a backend that prepares for each call (wakes an engine, gathers sharded weights) does it once here. Nothing
-        else may change the weights meanwhile."""
+        a backend that prepares for each call (wakes an engine, gathers sharded weights) does it once here, and may
+        carry work from one call into the next (the transformers backend continues the KV cache of rows a call
+        extends). Nothing else may change the weights meanwhile."""
         yield
 
     def for_this_process(self) -> RolloutBackend | None:

@@ -1,4 +1,7 @@
-"""Rollouts with ``model.generate``: works for any causal LM, on any device, with or without adapters."""
+"""Rollouts with ``model.generate``: works for any causal LM, on any device, with or without adapters.
+
+Within a session (the turns of one multi-turn rollout) each turn continues the previous turn's KV cache where the
+model and settings allow it (``kv_cache.py``), and re-prefills the whole context where they do not."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from .base import Completions, PromptImages, RolloutBackend, completion_masks
+from .kv_cache import CacheReuse, TurnCache, cache_problem, continuation_problem
 from .sampling import SamplingSettings
 
 
@@ -20,6 +24,11 @@ class TransformersBackend(RolloutBackend):
     ``generation_model`` opens the policy as ``generate`` needs it (unwrapped, sharded weights gathered). With
     ``synced_gpus`` (sharded weights over several processes) every forward pass is a collective: a process whose
     completions all ended keeps stepping until every process's have.
+
+    ``reuse_kv_cache``: within a :meth:`session`, a call whose rows extend the rows of the call before (a multi-turn
+    rollout's next turn) takes their keys and values from that call's cache and prefills only the new tokens. The
+    sampled tokens are those re-prefilling samples, up to float rounding in the logits; :attr:`cache_reuse` counts
+    what was reused, and says why a call re-prefilled when it had to.
     """
 
     takes_images = True
@@ -29,6 +38,7 @@ class TransformersBackend(RolloutBackend):
         settings: SamplingSettings,
         generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
         synced_gpus: bool = False,
+        reuse_kv_cache: bool = True,
     ):
         self.settings = settings
         self.generation_model = generation_model
@@ -36,6 +46,9 @@ class TransformersBackend(RolloutBackend):
         self.collective = synced_gpus
         self.generation_config = settings.generation_config()
         self._session_model: nn.Module | None = None  # the policy opened for generation, during a session
+        self.reuse_kv_cache = reuse_kv_cache
+        self.cache_reuse = CacheReuse()
+        self._turn_cache: TurnCache | None = None  # the last call's cache, during a session
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -48,7 +61,8 @@ class TransformersBackend(RolloutBackend):
             try:
                 yield
             finally:
-                self._session_model = None
+                # Outside a session the weights may change: a cache never outlives its session.
+                self._session_model = self._turn_cache = None
 
     def _opened_model(self) -> contextlib.AbstractContextManager[nn.Module]:
         if self._session_model is not None:
@@ -65,11 +79,16 @@ class TransformersBackend(RolloutBackend):
     ) -> Completions:
         """As :meth:`RolloutBackend.generate`; prompts with images bring the model's inputs for them (pixel values,
         image grids, token type ids)."""
-        generation_config = self.generation_config
+        generation_config = copy.deepcopy(self.generation_config)
         if max_new_tokens is not None:
-            generation_config = copy.deepcopy(generation_config)
             generation_config.max_new_tokens = max_new_tokens
         with self._opened_model() as model:
+            previous, self._turn_cache = self._turn_cache, None  # freed before generating
+            keep = self._keeps_cache(model, generation_config, images)
+            continued = previous.continuation(prompt_ids, prompt_mask) if keep and previous is not None else None
+            del previous
+            generation_config.return_dict_in_generate = keep  # to get the cache back
+            cache = {} if continued is None else {"past_key_values": continued[0]}
             was_training = model.training
             model.eval()
             try:
@@ -79,11 +98,36 @@ class TransformersBackend(RolloutBackend):
                         attention_mask=prompt_mask,
                         generation_config=generation_config,
                         synced_gpus=self.synced_gpus,
+                        **cache,
                         **(images.model_inputs if images is not None else {}),
                     )
             finally:
                 model.train(was_training)
-        return completion_masks(output[:, prompt_ids.size(1) :], self.settings.eos_token_ids)
+        sequences = output.sequences if keep else output
+        completions = completion_masks(sequences[:, prompt_ids.size(1) :], self.settings.eos_token_ids)
+        reused = 0 if continued is None else continued[1]
+        self.cache_reuse.continued_turns += continued is not None
+        self.cache_reuse.reused_tokens += reused
+        self.cache_reuse.prefilled_tokens += int(prompt_mask.sum()) - reused
+        if keep:
+            self._keep(output.past_key_values, prompt_mask, sequences, completions)
+        return completions
+
+    def _keep(
+        self, cache: object, prompt_mask: torch.Tensor, sequences: torch.Tensor, completions: Completions
+    ) -> None:
+        """Keep a call's cache for the session's next call, unless its layers cannot be continued row by row."""
+        self.cache_reuse.fallback = cache_problem(cache)
+        if self.cache_reuse.fallback is None:
+            self._turn_cache = TurnCache.after_generation(cache, prompt_mask, sequences, completions.lengths)
+
+    def _keeps_cache(self, model: nn.Module, generation_config: GenerationConfig, images: PromptImages | None) -> bool:
+        """Whether this call continues (or starts) a cache for the next turn; a fallback's reason is recorded."""
+        if not self.reuse_kv_cache or self._session_model is None:
+            self.cache_reuse.fallback = None if self.reuse_kv_cache else "reuse_kv_cache=False"
+            return False
+        self.cache_reuse.fallback = continuation_problem(model, generation_config, images is not None, self.synced_gpus)
+        return self.cache_reuse.fallback is None
 
 
 @contextlib.contextmanager
