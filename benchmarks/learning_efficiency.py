@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--log_every", type=int, default=50)
     parser.add_argument("--learning_rate", type=float, default=5e-4)
+    parser.add_argument("--num_iterations", type=int, default=1,
+                        help="Optimiser steps per rollout (each rollout trained on this many times).")
     parser.add_argument("--output", default="docs/benchmarks/learning_efficiency.json")
     parser.add_argument("--plot_only", action="store_true")
     return parser.parse_args()
@@ -66,7 +68,8 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
 
     tokenizer = reverse_task_tokenizer()
     settings = dict(
-        output_dir=f"/tmp/learning_efficiency/{args.task}-{method}-H{length}-s{seed}",
+        output_dir=f"/tmp/learning_efficiency/{args.task}-{method}-H{length}-i{args.num_iterations}-s{seed}",
+        num_iterations=args.num_iterations,
         per_device_train_batch_size=128,
         num_generations=8,
         max_completion_length=length,
