@@ -269,6 +269,40 @@ def test_a_trainer_rank_other_than_0_only_iterates_its_source():
     assert yielded == [name for name, _ in odd_tensors()]  # it took part in the source's (collective) iteration
 
 
+def test_the_rendezvous_and_the_groups_connections_listen_on_the_address_given_only():
+    """Not on every interface (a TCPStore given only a port listens on all): the group's sockets carry raw weights."""
+    import threading
+
+    import psutil
+    from vllm_serve import free_port
+
+    from targetpo.generation.gloo_transfer import _close_group, _open_group
+
+    def listening():
+        return {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
+    port = free_port()
+    groups = [None, None]
+
+    def join(rank):
+        groups[rank] = _open_group("127.0.0.1", port, rank, 2, 30)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        opened = listening() - before
+        assert any(address.port == port for address in opened)  # the store
+        assert len(opened) >= 3  # and each rank's gloo connections
+        assert {address.ip for address in opened} == {"127.0.0.1"}, opened
+    finally:
+        for group in groups:
+            _close_group(group)
+
+
 def test_failures_on_either_side_raise_on_the_trainer_at_once_instead_of_hanging():
     import time
 

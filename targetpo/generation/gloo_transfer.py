@@ -141,18 +141,63 @@ def _broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> None:
 
 
 def _open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroupGloo:
-    """Join a gloo group of its own on a TCPStore hosted by rank 0 (the trainer).
+    """Join a gloo group of its own on a TCPStore hosted by rank 0 (the trainer) at ``address``.
 
     Built directly rather than with ``torch.distributed.init_process_group``, so neither side's default world (vLLM's
     workers have one) is touched; and rather than with vLLM's stateless helper, which redirects the process's stdout
     while it connects, so two groups opened at once in one process (tests) could leave stdout pointing nowhere.
+
+    Every socket listens on one interface, the one the peers reach, not on all: the store on ``address`` (a TCPStore
+    given only a port listens on every interface), and each rank's gloo connections on its own address towards it.
     """
     from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(address, port, world_size, rank == 0, timeout)
-    return ProcessGroupGloo(PrefixStore("targetpo-gloo-weight-transfer", store), rank, world_size, timeout)
+    if rank == 0:
+        store = _store_listening_on(address, port, world_size, timeout)
+        local_address = address
+    else:
+        store = TCPStore(address, port, world_size, False, timeout)
+        local_address = address_towards(address, port)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=local_address)]
+    return ProcessGroupGloo(PrefixStore("targetpo-gloo-weight-transfer", store), rank, world_size, options)
+
+
+def _store_listening_on(address: str, port: int, world_size: int, timeout: timedelta) -> Any:
+    """The group's TCPStore server, on a socket bound to ``address`` only (the store takes the socket over)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    listener = socket.create_server((address, port), family=_family(address))
+    listen_fd = listener.detach()
+    try:
+        return TCPStore(address, port, world_size, True, timeout, master_listen_fd=listen_fd)
+    except BaseException:
+        socket.close(listen_fd)
+        raise
+
+
+def _family(address: str) -> Any:
+    import ipaddress
+    import socket
+
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    except ValueError:  # a host name: resolved by the socket as IPv4
+        return socket.AF_INET
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host``: the interface a peer there reaches this one on."""
+    import socket
+
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
 
 
 def _close_group(group: ProcessGroupGloo) -> None:
