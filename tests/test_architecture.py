@@ -22,6 +22,7 @@ LAYERS = [
     "data",
     "generation.base",
     "generation.gloo_transfer",
+    "generation.server_auth",
     "generation.sampling",
     "generation.kv_cache",
     "generation.transformers_backend",

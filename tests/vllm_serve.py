@@ -36,15 +36,18 @@ def with_python_path(first, env=None):
 
 
 @contextlib.contextmanager
-def served_vllm(model_dir, log_path, extra_args=()):
-    """Serve ``model_dir`` (weights and tokenizer) with vLLM for the duration of the block; yield its base URL."""
+def served_vllm(model_dir, log_path, extra_args=(), api_key=None):
+    """Serve ``model_dir`` (weights and tokenizer) with vLLM for the duration of the block; yield its base URL. With
+    ``api_key`` every path but the health checks requires it, as ``targetpo-vllm-serve --api-key`` sets up."""
     port = free_port()
     command, env = serve_command(
         str(model_dir), "gloo",
         ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128",
          "--enforce-eager", *extra_args],
+        api_key,
     )
-    env = with_python_path(REPOSITORY, {**os.environ, **env, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    environment = {name: value for name, value in os.environ.items() if name != "VLLM_API_KEY"}  # only api_key's
+    env = with_python_path(REPOSITORY, {**environment, **env, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     # Test-side plugins named in extra_args (paced_vllm_steps) come from here, after everything else.
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(TESTS)])
     with running_server(command, env, log_path, port) as base_url:
