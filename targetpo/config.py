@@ -22,6 +22,8 @@ LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "gloo")
+#: Fields never shown in printed or logged configs.
+SECRET_FIELDS = ("vllm_server_api_key",)
 
 
 # --- Allowed values as data ---------------------------------------------------------------------------------------
@@ -371,6 +373,16 @@ class GRPOConfig(TrainingArguments):
     vllm_server_timeout: float = field(
         default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up before failing."}
     )
+    vllm_server_api_key: str | None = field(
+        default=None,
+        repr=False,  # kept out of printed and logged configs (see to_dict)
+        metadata={
+            "help": "Server mode: the key the server requires (`targetpo-vllm-serve --api-key`, or VLLM_API_KEY in "
+            "its environment), sent as `Authorization: Bearer <key>` on every request. None: VLLM_API_KEY from the "
+            "training processes' environment, if set (the better place: a config's fields are saved with "
+            "checkpoints in training_args.bin)."
+        },
+    )
     vllm_weight_transfer_backend: str = field(
         default="auto",
         metadata={
@@ -657,6 +669,22 @@ class GRPOConfig(TrainingArguments):
         self._warn_about_unused_vllm_settings()
         self._resolve_batch_layout()
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as loggers and ``to_json_string`` record them, with the server's API key hidden."""
+        values = super().to_dict()
+        for name in SECRET_FIELDS:
+            if values.get(name) is not None:
+                values[name] = f"<{name.upper()}>"
+        return values
+
+    def __str__(self) -> str:
+        # TrainingArguments' own rendering, which hides only *_token fields.
+        shown = {
+            name: f"<{name.upper()}>" if name.endswith("_token") or name in SECRET_FIELDS else value
+            for name, value in dataclasses.asdict(self).items()
+        }
+        return f"{type(self).__name__}(\n" + "".join(f"{name}={value},\n" for name, value in sorted(shown.items())) + ")"
+
     def _check_output_dir(self) -> None:
         """Refuse an output_dir that cannot be a directory (an existing file, or below one) before any work."""
         if self.output_dir is None:
@@ -716,7 +744,7 @@ class GRPOConfig(TrainingArguments):
         if self.use_vllm:
             return
         unused = [
-            f"{spec.name}={getattr(self, spec.name)!r}"
+            f"{spec.name}={'<hidden>' if spec.name in SECRET_FIELDS else repr(getattr(self, spec.name))}"
             for spec in dataclasses.fields(self)
             if spec.name.startswith("vllm_") and spec.init and getattr(self, spec.name) != spec.default
         ]

@@ -252,12 +252,12 @@ def served(tmp_path_factory):
         yield base_url
 
 
-def engine_greedy(base_url):
+def engine_greedy(base_url, api_key=None):
     """Greedy completions and their log-probs, straight from the server's token-in/token-out endpoint."""
     from targetpo.generation.vllm_server import VLLMServerClient
 
     def generate(prompts):
-        client = VLLMServerClient(base_url, 10)
+        client = VLLMServerClient(base_url, 10, api_key)
         request_ids = [f"check-{time.monotonic_ns()}-{index}" for index in range(len(prompts))]
         outputs = client.generate(prompts, GREEDY, [0] * len(prompts), request_ids)
         client.close()
@@ -397,6 +397,94 @@ class NoWrapping:
     @staticmethod
     def unwrap_model(model):
         return model
+
+
+# ------------------------------------------------------------------------------------------------ server with a key
+SERVER_KEY = "test-key-0123456789abcdef"
+
+#: Every route VLLM_SERVER_DEV_MODE opens, and others vLLM's own --api-key leaves open, with the method each takes.
+UNGUARDED_BY_VLLM = [
+    ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+    ("POST", "/finish_weight_update"), ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/pause"),
+    ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/abort_requests"), ("POST", "/reset_prefix_cache"),
+    ("POST", "/reset_encoder_cache"), ("POST", "/reset_mm_cache"), ("GET", "/get_world_size"), ("GET", "/weight_info"),
+    ("POST", "/collective_rpc"), ("POST", "/tokenize"), ("POST", "/invocations"), ("GET", "/server_info"),
+    ("GET", "/metrics"), ("GET", "/version"),
+    # vLLM's own guard covers these; ours too.
+    ("GET", "/v1/models"), ("POST", "/inference/v1/generate"),
+]
+
+
+@pytest.fixture(scope="module")
+def keyed_served(tmp_path_factory):
+    """Like `served`, with an API key: every path but the health checks requires it."""
+    from vllm_serve import served_vllm
+
+    directory = tmp_path_factory.mktemp("keyed")
+    tokenizer = reverse_task_tokenizer()
+    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    with served_vllm(directory / "model", directory / "server.log", api_key=SERVER_KEY) as base_url:
+        yield base_url
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_security_without_the_key_every_endpoint_answers_401_and_the_weights_stay(keyed_served):
+    import httpx
+
+    keyed = {"Authorization": f"Bearer {SERVER_KEY}"}
+    before = engine_greedy(keyed_served, SERVER_KEY)([[3, 4, 4, 3], [4, 4, 4]])
+    init_info = {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+                               "world_size": 2}}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {SERVER_KEY}"}):
+        for method, path in UNGUARDED_BY_VLLM:
+            body = init_info if path == "/init_weight_transfer_engine" else {}
+            response = httpx.request(method, keyed_served + path, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (method, path, headers, response.text)
+    assert httpx.get(f"{keyed_served}/health", timeout=30).status_code == 200  # readiness stays open
+    # The routes are there, and the key opens them.
+    for path in ("/get_world_size", "/is_paused", "/weight_info", "/version", "/metrics"):
+        assert httpx.get(keyed_served + path, headers=keyed, timeout=30).status_code == 200, path
+    # Not paused, not mid-update, and the same weights: the same greedy completions and log-probs.
+    assert httpx.get(f"{keyed_served}/is_paused", headers=keyed, timeout=30).json()["is_paused"] is False
+    assert engine_greedy(keyed_served, SERVER_KEY)([[3, 4, 4, 3], [4, 4, 4]]) == before
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_security_training_with_the_key_from_the_environment_holds_each_steps_weights(tmp_path, keyed_served,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", SERVER_KEY)  # vllm_server_api_key unset: the environment's key is sent
+    trainer = make_trainer(server_config(tmp_path, keyed_served, world_size=1))
+    try:
+        trainer.train()
+        differences = logged(trainer, "vllm/logp_abs_diff")
+        assert len(differences) == 3 and max(differences) < 1e-5
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("api_key, problem", [("wrong-key", "refused the API key"), (None, "sent none")])
+def test_security_a_wrong_or_missing_key_stops_every_process_at_construction(tmp_path, keyed_served, monkeypatch,
+                                                                            api_key, problem):
+    from vllm_workers import construction_worker
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    started = time.monotonic()
+    # vllm_server_timeout is long: a refused key must not be waited out as a slow server.
+    overrides = {"vllm_server_api_key": api_key, "vllm_server_timeout": 300}
+    mp.spawn(construction_worker, args=(2, free_port(), keyed_served, str(tmp_path), overrides), nprocs=2, join=True)
+    assert time.monotonic() - started < 120
+    main, other = (json.loads((tmp_path / f"outcome_rank{rank}.json").read_text()) for rank in range(2))
+    assert main["raised"] == "VLLMServerAuthenticationError", main
+    assert problem in main["message"] and "vllm_server_api_key" in main["message"] and "VLLM_API_KEY" in main["message"]
+    assert other["raised"] is not None and "vllm_server_api_key" in other["message"], other
 
 
 @pytest.mark.slow

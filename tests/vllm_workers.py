@@ -163,9 +163,14 @@ def server_training_worker(rank, world_size, port, base_url, out_dir, overrides)
 
 def server_down_worker(rank, world_size, port, base_url, out_dir):
     """Build a trainer whose server never answers; record what each process raised."""
+    construction_worker(rank, world_size, port, base_url, out_dir, {"vllm_server_timeout": 3})
+
+
+def construction_worker(rank, world_size, port, base_url, out_dir, overrides):
+    """Build a trainer with ``overrides``; record what each process raised, if anything."""
     join_world(rank, world_size, port)
     try:
-        make_trainer(server_config(out_dir, base_url, world_size, vllm_server_timeout=3))
+        make_trainer(server_config(out_dir, base_url, world_size, **overrides))
         outcome = {"raised": None}
     except Exception as error:  # noqa: BLE001 (recorded for the test to check)
         outcome = {

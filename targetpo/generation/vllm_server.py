@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import socket
 import threading
@@ -38,6 +39,7 @@ from .base import (
     unpadded_prompts,
 )
 from .sampling import SamplingSettings
+from .server_auth import KEY_VARIABLE, authorization_headers
 from .vllm_backend import engine_weight_metadata, export_for_engine, make_sampling_params
 
 #: How the trainer starts the server it talks to, for error messages.
@@ -46,6 +48,10 @@ SERVE_HINT = "`targetpo-vllm-serve --model <the policy's model> --port <port>` (
 
 class VLLMServerError(RuntimeError):
     """The vLLM server answered with an error."""
+
+
+class VLLMServerAuthenticationError(VLLMServerError):
+    """The vLLM server refused the trainer's API key (HTTP 401 or 403): a missing or wrong key, not a slow server."""
 
 
 class GenerationCancelled(RuntimeError):
@@ -91,16 +97,21 @@ class VLLMServerClient:
     ``start_weight_update``, ``update_weights``, ``finish_weight_update``) that trainer-side transfer engines drive.
     """
 
-    def __init__(self, base_url: str, timeout: float):
+    def __init__(self, base_url: str, timeout: float, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.weight_version: str | None = None  # the label of the weights being pushed, set on finishing the update
+        self._has_key = api_key is not None
+        self._headers = authorization_headers(api_key)  # on every request, the health checks included
         # A weight update or a large generation may take minutes: no read timeout, a bounded connect.
-        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(None, connect=timeout))
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=httpx.Timeout(None, connect=timeout), headers=self._headers
+        )
 
     # ------------------------------------------------------------------------------------------ control
     def wait_for_server(self) -> None:
-        """Return once the server answers its health check; raise TimeoutError after ``timeout`` seconds."""
+        """Return once the server answers its health check and accepts this client's key; raise TimeoutError after
+        ``timeout`` seconds without an answer, and :class:`VLLMServerAuthenticationError` at once on a refused key."""
         deadline = time.monotonic() + self.timeout
         last_error: Exception | str | None = None
         while time.monotonic() < deadline:
@@ -108,6 +119,7 @@ class VLLMServerClient:
                 response = self._http.get("/health", timeout=5.0)
                 if response.status_code == 200:
                     break
+                self._raise_if_refused(response, "/health")  # waiting longer would not change the answer
                 last_error = f"HTTP {response.status_code}"
             except httpx.HTTPError as error:
                 last_error = error
@@ -118,7 +130,12 @@ class VLLMServerClient:
                 f"error: {last_error}). Start one on the generation devices with {SERVE_HINT} before training, or "
                 "point vllm_server_base_url (or vllm_server_host and vllm_server_port) at it."
             )
-        if self._http.get("/get_world_size").status_code == 404:
+        # The health checks are open, so the key is tested here, before any training: on an inference route (vLLM's
+        # own --api-key guards those) and on a weight-update route (targetpo-vllm-serve's middleware guards those).
+        self._raise_if_refused(self._http.get("/v1/models"), "/v1/models")
+        world_size = self._http.get("/get_world_size")
+        self._raise_if_refused(world_size, "/get_world_size")
+        if world_size.status_code == 404:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} has no weight-update endpoints: start it with "
                 f"VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config, as {SERVE_HINT} does."
@@ -167,6 +184,22 @@ class VLLMServerClient:
     def close(self) -> None:
         self._http.close()
 
+    def _raise_if_refused(self, response: httpx.Response, path: str) -> None:
+        """Raise :class:`VLLMServerAuthenticationError`, saying which setting to fix, on HTTP 401 or 403."""
+        if response.status_code not in (401, 403):
+            return
+        problem = (
+            "refused the API key this trainer sent"
+            if self._has_key
+            else "requires an API key and this trainer sent none"
+        )
+        raise VLLMServerAuthenticationError(
+            f"The vLLM server at {self.base_url} {problem} (HTTP {response.status_code} on {path}). Set "
+            f"vllm_server_api_key (or, with that unset, {KEY_VARIABLE} in every training process's environment) to "
+            f"the key the server was started with (`targetpo-vllm-serve --api-key`, or {KEY_VARIABLE} in its "
+            "environment)."
+        )
+
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)
@@ -174,6 +207,7 @@ class VLLMServerClient:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} could not be reached for {path}: {error}"
             ) from error
+        self._raise_if_refused(response, path)
         _raise_for_status(response, path)
         return response.json() if response.content else None
 
@@ -208,7 +242,9 @@ class VLLMServerClient:
         if cancellation is not None:
             cancellation.attach(asyncio.get_running_loop(), asyncio.current_task())
         try:
-            async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as http:
+            async with httpx.AsyncClient(
+                base_url=self.base_url, timeout=timeout, limits=limits, headers=self._headers
+            ) as http:
                 requests = [
                     self._generate_one(http, prompt, {**request_fields, "seed": int(seed)}, request_id, urls)
                     for prompt, request_fields, seed, request_id, urls in zip(
@@ -237,6 +273,7 @@ class VLLMServerClient:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} could not be reached to generate: {error}"
             ) from error
+        self._raise_if_refused(response, "/inference/v1/generate")
         _raise_for_status(response, "/inference/v1/generate")
         choice = response.json()["choices"][0]
         content = (choice.get("logprobs") or {}).get("content") or []
@@ -327,6 +364,7 @@ class VLLMServerBackend(RolloutBackend):
         timeout: float,
         transfer_backend: str = "auto",
         packed_buffer_bytes: int | None = None,
+        api_key: str | None = None,
     ):
         self.accelerator = accelerator
         self.settings = settings
@@ -334,6 +372,7 @@ class VLLMServerBackend(RolloutBackend):
         make_sampling_params(self.fields, seed=None)  # the server ignores fields it does not know: refuse them here
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.api_key = api_key
         self.transfer_backend = _transfer_backend(transfer_backend)
         self.packed_buffer_bytes = packed_buffer_bytes
         self.client: VLLMServerClient | None = None
@@ -347,7 +386,7 @@ class VLLMServerBackend(RolloutBackend):
         self._processes_send_requests = False
         with failures_reach_every_process("connecting to the vLLM server", accelerator.device):
             if accelerator.is_main_process:
-                self.client = VLLMServerClient(base_url, timeout)
+                self.client = VLLMServerClient(base_url, timeout, api_key)
                 try:
                     self.client.wait_for_server()
                 except BaseException:
@@ -355,6 +394,7 @@ class VLLMServerBackend(RolloutBackend):
                     raise
                 # Two: an evaluation rollout need not queue behind a training rollout generated ahead.
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="targetpo-rollouts")
+        _check_same_key_everywhere(api_key)
 
     # ------------------------------------------------------------------------------------------ generation
     def start(
@@ -411,7 +451,9 @@ class VLLMServerBackend(RolloutBackend):
         in flight."""
         if self._own_requests is None:
             rank = self.accelerator.process_index
-            self._own_requests = ServerRequests(self.base_url, self.timeout, self.settings, f"targetpo-p{rank}")
+            self._own_requests = ServerRequests(
+                self.base_url, self.timeout, self.settings, f"targetpo-p{rank}", self.api_key
+            )
             self._processes_send_requests = True
         return self._own_requests
 
@@ -446,7 +488,7 @@ class VLLMServerBackend(RolloutBackend):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
         address = _address_towards(self.base_url)
-        port = _free_port()
+        port = _free_port(address)
         world_size = 1 + self.client.world_size()
         if self.transfer_backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -495,10 +537,17 @@ class ServerRequests(RolloutBackend):
 
     takes_images = True
 
-    def __init__(self, base_url: str, timeout: float, settings: SamplingSettings, request_prefix: str):
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float,
+        settings: SamplingSettings,
+        request_prefix: str,
+        api_key: str | None = None,
+    ):
         self.settings = settings
         self.fields = settings.vllm_fields()
-        self.client = VLLMServerClient(base_url, timeout)
+        self.client = VLLMServerClient(base_url, timeout, api_key)
         self.request_prefix = request_prefix  # request ids unique across processes
         self.generator = torch.Generator()
         self._cancellation = Cancellation()
@@ -593,6 +642,20 @@ class _PendingServerCompletions(PendingCompletions):
             self.future.cancellation.cancel()
 
 
+def _check_same_key_everywhere(api_key: str | None) -> None:
+    """Refuse, on every process alike, keys that differ between processes (e.g. ``VLLM_API_KEY`` set on one machine
+    only): the main process's check would pass, and another's own requests (asynchronous agent rollouts) fail later."""
+    digest = None if api_key is None else hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+    digests = gather_object([digest])
+    differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+    if differing:
+        raise VLLMServerAuthenticationError(
+            f"Training processes {differing} hold another vLLM server API key than process 0 (or none where it has "
+            f"one, or one where it has none). Give every process the same: set vllm_server_api_key, or "
+            f"{KEY_VARIABLE} in the environment of every process on every machine."
+        )
+
+
 def _oldest_version(versions: Sequence[str]) -> int:
     """The oldest optimiser step whose weights wrote part of a completion; -1 where the server reports none."""
     steps = [int(version) for version in versions if version is not None and str(version).lstrip("-").isdigit()]
@@ -606,17 +669,18 @@ def _transfer_backend(name: str) -> str:
 
 
 def _address_towards(base_url: str) -> str:
-    """This machine's address on the route to the server: where the server's workers can reach the trainer."""
-    host = urlparse(base_url).hostname or "127.0.0.1"
-    port = urlparse(base_url).port or 80
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))  # UDP: picks the route, sends nothing
-        return probe.getsockname()[0]
+    """This machine's address on the route to the server: where the server's workers can reach the trainer, and the
+    one interface the weight transfer's rendezvous listens on."""
+    from .gloo_transfer import address_towards
+
+    url = urlparse(base_url)
+    return address_towards(url.hostname or "127.0.0.1", url.port or 80)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
+def _free_port(address: str) -> int:
+    """A port free on ``address``, the interface the transfer's rendezvous then binds."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 
