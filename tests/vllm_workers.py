@@ -107,7 +107,7 @@ class BitFlipper:
         return self.sent.count("1") / max(1, len(self.sent))
 
 
-def multi_turn_trainer(args):
+def multi_turn_trainer(args, environment_factory=None):
     """The reverse task as conversations with the bit-flipping environment (at most two rounds of calls); the model's
     weights script each turn as one bit then EOS, so every sample makes both rounds of calls and a third turn."""
     tokenizer = reverse_task_tokenizer()
@@ -124,7 +124,7 @@ def multi_turn_trainer(args):
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        environment_factory=BitFlipper,
+        environment_factory=environment_factory or BitFlipper,
     )
 
 
