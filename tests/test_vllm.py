@@ -855,6 +855,11 @@ def test_async_rollout_func_runs_ahead_on_its_own_connection_and_its_log_probs_c
         expected = torch.where(mask.bool(), (anchor - batch["sampler_per_token_logps"]).exp().clamp(max=2.0), 1.0)
         torch.testing.assert_close(batch["importance_weights"], expected, atol=1e-4, rtol=1e-4)
     assert max(logged(trainer, "vllm/logp_abs_diff")[1:]) > 1e-3  # later rollouts were sampled by older weights
+    # The rollout played ahead of a step never run is cancelled at close, and its thread is gone.
+    import threading
+
+    trainer.close()
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("targetpo-episodes")]
 
 
 @pytest.mark.vllm

@@ -59,9 +59,12 @@ class EpisodesAhead:
     indices: list[int]  # the dataset rows they are played for
     played: Future
     backend: RolloutBackend
+    cancelled: threading.Event
 
     def cancel(self) -> None:
-        self.backend.cancel()  # the thread stops at its next generation (a tool call under way finishes first)
+        self.cancelled.set()
+        self.played.cancel()  # not started yet: never starts
+        self.backend.cancel()  # under way: stops at its next generation (a tool call under way finishes first)
 
 
 class RolloutScheduler:
@@ -132,7 +135,7 @@ class RolloutScheduler:
             self.upcoming.cancel()
             self.upcoming = None
         if self._episode_player is not None:
-            self._episode_player.shutdown(wait=True)  # cancelled: it ends at its next generation
+            self._episode_player.shutdown(wait=True, cancel_futures=True)  # cancelled: it ends at its next generation
             self._episode_player = None
         self.async_runner.close()
 
@@ -245,15 +248,17 @@ class RolloutScheduler:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # drawn here, on the training thread: from the run's seed
         if self._episode_player is None:
             self._episode_player = ThreadPoolExecutor(max_workers=1, thread_name_prefix="targetpo-episodes")
-        source = self.trainer._rollout_source
+        source, cancelled = self.trainer._rollout_source, threading.Event()
 
         def play() -> Any:
             # Ready once the rollout before it (cancelled, maybe finishing a tool call) has left the thread.
             backend.start_playing(seed)
+            if cancelled.is_set():  # cancelled while it was being readied
+                backend.cancel()
             with self._generating_with(backend):
                 return source.play_ahead(rows)
 
-        return EpisodesAhead(indices, self._episode_player.submit(play), backend)
+        return EpisodesAhead(indices, self._episode_player.submit(play), backend, cancelled)
 
     @contextlib.contextmanager
     def _generating_with(self, backend: RolloutBackend) -> Iterator[None]:
