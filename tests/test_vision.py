@@ -358,18 +358,25 @@ def test_a_colocated_vllm_engine_samples_from_the_prompts_images(tmp_path, monke
     assert_vllm_sampled_with_the_images(trainer, model, vision_before)
 
 
+@contextlib.contextmanager
+def served_idefics3(tmp_path):
+    """A real `vllm serve` of a tiny Idefics3 whose weights differ from the trainers' (pushes must land); its URL."""
+    from vllm_serve import served_vllm
+
+    served_model, served_processor = build_tiny_idefics3(seed=7, hidden=128)
+    served_model.save_pretrained(tmp_path / "served")
+    served_processor.save_pretrained(tmp_path / "served")
+    with served_vllm(tmp_path / "served", tmp_path / "server.log") as base_url:
+        yield base_url
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
 def test_a_vllm_server_samples_from_the_prompts_images_sent_as_png(tmp_path):
-    from vllm_serve import served_vllm
-
-    served_model, served_processor = build_tiny_idefics3(seed=7, hidden=128)  # other weights: pushes must land
-    served_model.save_pretrained(tmp_path / "served")
-    served_processor.save_pretrained(tmp_path / "served")
     model, processor = build_tiny_idefics3(hidden=128)
     vision_before = {name: value.detach().clone() for name, value in model.named_parameters() if "vision" in name}
-    with served_vllm(tmp_path / "served", tmp_path / "server.log") as base_url:
+    with served_idefics3(tmp_path) as base_url:
         args = vllm_image_config(tmp_path, vllm_mode="server", vllm_server_base_url=base_url, vllm_server_timeout=180)
         trainer = TargetPOTrainer(model, letters_reward, args=args, train_dataset=image_dataset(),
                                   processing_class=processor)
@@ -737,12 +744,7 @@ def test_a_colocated_vllm_engine_samples_every_turn_after_a_tool_image_with_it(t
 @pytest.mark.vllm
 @needs_vllm
 def test_a_vllm_server_samples_every_turn_after_a_tool_image_with_it_sent_as_png(tmp_path):
-    from vllm_serve import served_vllm
-
-    served_model, served_processor = build_tiny_idefics3(seed=7, hidden=128)  # other weights: pushes must land
-    served_model.save_pretrained(tmp_path / "served")
-    served_processor.save_pretrained(tmp_path / "served")
-    with served_vllm(tmp_path / "served", tmp_path / "server.log") as base_url:
+    with served_idefics3(tmp_path) as base_url:
         trainer, _ = image_tool_vlm(tmp_path, "idefics3", "image", prompt_images=False,
                                     built=build_tiny_idefics3(hidden=128), use_vllm=True, vllm_mode="server",
                                     vllm_server_base_url=base_url, vllm_server_timeout=180, max_steps=2)

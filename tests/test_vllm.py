@@ -487,29 +487,12 @@ def test_security_a_wrong_or_missing_key_stops_every_process_at_construction(tmp
     assert other["raised"] is not None and "vllm_server_api_key" in other["message"], other
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-@needs_vllm
-def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp_path, served, monkeypatch):
-    """With async_rollouts the next rollout is sampled while the current one trains, by the weights of the step
-    before (staleness 1). p_old (and so q) is the policy when the rollout is trained on; each token's importance
-    weight is min(p_old / p_sampler, cap), with p_sampler the older weights' probability."""
+def record_steps(trainer, monkeypatch):
+    """The policy's weights before training and after each optimiser step (by step), and each step batch as the loss
+    left it, with the step it was trained at (q and the importance weights are built in the loss, at the first use)."""
     import copy
 
-    from targetpo.generation.vllm_server import VLLMServerClient
-
-    versions = []  # per completion, the versions of the weights that wrote its tokens, as the server reported
-    original_generate = VLLMServerClient.generate
-
-    def recording_generate(self, *args, **kwargs):
-        outputs = original_generate(self, *args, **kwargs)
-        versions.append([output["weight_versions"] for output in outputs])
-        return outputs
-
-    monkeypatch.setattr(VLLMServerClient, "generate", recording_generate)
-    trainer = make_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True,
-                                                max_steps=4))
-    snapshots, used = {0: copy.deepcopy(trainer.model)}, []
+    snapshots, used = {0: copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))}, []
     original_loss = TargetPOTrainer.compute_loss
 
     def recording_loss(self, model, inputs, *args, **kwargs):
@@ -523,6 +506,30 @@ def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp
 
     monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
     trainer.add_callback(Snapshot())
+    return snapshots, used
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp_path, served, monkeypatch):
+    """With async_rollouts the next rollout is sampled while the current one trains, by the weights of the step
+    before (staleness 1). p_old (and so q) is the policy when the rollout is trained on; each token's importance
+    weight is min(p_old / p_sampler, cap), with p_sampler the older weights' probability."""
+    from targetpo.generation.vllm_server import VLLMServerClient
+
+    versions = []  # per completion, the versions of the weights that wrote its tokens, as the server reported
+    original_generate = VLLMServerClient.generate
+
+    def recording_generate(self, *args, **kwargs):
+        outputs = original_generate(self, *args, **kwargs)
+        versions.append([output["weight_versions"] for output in outputs])
+        return outputs
+
+    monkeypatch.setattr(VLLMServerClient, "generate", recording_generate)
+    trainer = make_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True,
+                                                max_steps=4))
+    snapshots, used = record_steps(trainer, monkeypatch)
     trainer.train()
 
     staleness = logged(trainer, "rollout/staleness_max")
@@ -684,7 +691,6 @@ def test_async_multi_turn_rollouts_play_ahead_and_correct_each_turn(tmp_path, se
     thread of their own while the current one trains (staleness 1). Per turn: each token's sampling log-prob is that
     of the weights that wrote it; p_old (so q) is the policy when the rollout is trained on; each token's importance
     weight is min(p_old / p_sampler, cap)."""
-    import copy
 
     from vllm_workers import BitFlipper, multi_turn_trainer
 
@@ -707,20 +713,7 @@ def test_async_multi_turn_rollouts_play_ahead_and_correct_each_turn(tmp_path, se
 
     args = server_config(tmp_path, served, world_size=1, async_rollouts=True, max_steps=4)
     trainer = multi_turn_trainer(args, FlipperAcrossAPush)
-    snapshots, used = {0: copy.deepcopy(trainer.model)}, []
-    original_loss = TargetPOTrainer.compute_loss
-
-    def recording_loss(self, model, inputs, *args, **kwargs):
-        loss = original_loss(self, model, inputs, *args, **kwargs)  # q is built in the loss, at the first use
-        used.append((self.state.global_step, {k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)}))
-        return loss
-
-    class Snapshot(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            snapshots[state.global_step] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
-
-    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
-    trainer.add_callback(Snapshot())
+    snapshots, used = record_steps(trainer, monkeypatch)
     trainer.train()
 
     # The first rollout is played by the training thread (its requests sent by the shared connection's thread), every
@@ -825,27 +818,17 @@ def test_async_rollout_func_runs_ahead_on_its_own_connection_and_its_log_probs_c
     """With async_rollouts, rollout_func runs ahead on a thread of its own while the current rollout trains; there
     ``trainer.rollout_backend`` is this process's own connection. The log-probs it returns, turn by turn, are the
     sampling log-probs the importance weights use."""
-    import copy
 
-    calls, used = [], []
+    calls = []
     handshake = PushAfterFirstTurn(monkeypatch)
     trainer = make_trainer(server_config(tmp_path, served, world_size=1, async_rollouts=True, max_steps=3),
                            rollout_func=two_turn_rollout_func(calls, handshake))
-    snapshots = {}
-    original_loss = TargetPOTrainer.compute_loss
-
-    def recording_loss(self, model, inputs, *args, **kwargs):
-        snapshots.setdefault(self.state.global_step, copy.deepcopy(self.accelerator.unwrap_model(model)))
-        loss = original_loss(self, model, inputs, *args, **kwargs)  # the importance weights are made in the loss
-        used.append({key: value.clone() for key, value in inputs.items() if torch.is_tensor(value)})
-        return loss
-
-    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    snapshots, used = record_steps(trainer, monkeypatch)
     trainer.train()
     assert calls[0] == ("MainThread", "VLLMServerBackend")
     assert all(name.startswith("targetpo-episodes") and kind == "ServerRequests" for name, kind in calls[1:3])
     args = trainer.args
-    for step, batch in enumerate(used):
+    for step, batch in used:
         inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
         mask = batch["completion_mask"]
         assert mask.sum(1).eq(4).all() and mask[:, 2].eq(0).all()  # the tool token is not the model's

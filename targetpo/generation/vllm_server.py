@@ -291,7 +291,8 @@ def server_prompts(prompts: list[list[int]], images: PromptImages | None) -> tup
     as their unexpanded ids, which the server expands."""
     if images is None:
         return prompts, [[] for _ in prompts]
-    ids = [unexpanded if urls else prompt for prompt, unexpanded, urls in zip(prompts, images.unexpanded_ids, images.images)]
+    rows = zip(prompts, images.unexpanded_ids, images.images)
+    ids = [unexpanded if urls else prompt for prompt, unexpanded, urls in rows]
     return ids, [[image_data_url(image) for image in row_images] for row_images in images.images]
 
 
@@ -581,14 +582,7 @@ class ServerRequests(RolloutBackend):
         with_images = [bool(urls) for urls in image_urls]
         if any(with_images):
             check_expanded_prompts(expanded, [output["prompt_token_ids"] for output in outputs], with_images)
-        return pad_completions(
-            [output["token_ids"] for output in outputs],
-            [output["logprobs"] for output in outputs],
-            self.settings.pad_token_id,
-            self.settings.eos_token_ids,
-            prompt_ids.device,
-            weight_versions=[_oldest_version(output["weight_versions"]) for output in outputs],
-        )
+        return _server_completions(outputs, self.settings, prompt_ids.device)
 
     def close(self) -> None:
         self.cancel()
@@ -626,16 +620,7 @@ class _PendingServerCompletions(PendingCompletions):
         if self.expanded_prompts is not None:  # all rows, on every process: a mismatch anywhere stops every process
             expected, with_images = self.expanded_prompts
             check_expanded_prompts(expected, [output["prompt_token_ids"] for output in reply], with_images)
-        outputs = reply[self.local]
-        settings = self.backend.settings
-        return pad_completions(
-            [output["token_ids"] for output in outputs],
-            [output["logprobs"] for output in outputs],
-            settings.pad_token_id,
-            settings.eos_token_ids,
-            self.device,
-            weight_versions=[_oldest_version(output["weight_versions"]) for output in outputs],
-        )
+        return _server_completions(reply[self.local], self.backend.settings, self.device)
 
     def cancel(self) -> None:
         if self.future is not None:
@@ -654,6 +639,18 @@ def _check_same_key_everywhere(api_key: str | None) -> None:
             f"one, or one where it has none). Give every process the same: set vllm_server_api_key, or "
             f"{KEY_VARIABLE} in the environment of every process on every machine."
         )
+
+
+def _server_completions(outputs: list[dict[str, Any]], settings: SamplingSettings, device: torch.device) -> Completions:
+    """The server's replies as :class:`Completions`: tokens, sampling log-probs, the oldest weights that wrote each."""
+    return pad_completions(
+        [output["token_ids"] for output in outputs],
+        [output["logprobs"] for output in outputs],
+        settings.pad_token_id,
+        settings.eos_token_ids,
+        device,
+        weight_versions=[_oldest_version(output["weight_versions"]) for output in outputs],
+    )
 
 
 def _oldest_version(versions: Sequence[str]) -> int:
