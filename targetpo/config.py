@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from transformers import TrainingArguments
 
+from .batch_layout import BatchLayout
 from .functional import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
 
 LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
@@ -832,20 +833,25 @@ class GRPOConfig(TrainingArguments):
                 f"{step_batch} completions per step."
             )
 
-        per_step = self.generation_batch_size // self.steps_per_generation
-        if per_step % self.num_generations != 0:
+        if self.generation_batch_size % self.num_generations:
             raise ValueError(
-                f"Each optimisation step must hold whole prompt groups: generation_batch_size // steps_per_generation "
-                f"= {per_step} completions (per_device_train_batch_size {self.per_device_train_batch_size} x "
-                f"{world_size} processes) is not a multiple of num_generations={self.num_generations}. Change "
-                "per_device_train_batch_size or num_generations so that the first divides by the second."
+                f"Each rollout must hold whole prompt groups: generation_batch_size = {self.generation_batch_size} "
+                f"completions (per_device_train_batch_size {self.per_device_train_batch_size} x {world_size} "
+                f"processes x steps_per_generation {self.steps_per_generation}) is not a multiple of "
+                f"num_generations={self.num_generations}. Change per_device_train_batch_size, steps_per_generation or "
+                "num_generations so that the first divides by the second."
             )
-        if world_size > 1 and self.steps_per_generation > 1 and self.per_device_train_batch_size % self.num_generations:
-            raise ValueError(
-                f"With {world_size} processes and steps_per_generation={self.steps_per_generation} > 1, each process's "
-                f"step must hold whole groups: per_device_train_batch_size ({self.per_device_train_batch_size}) must be "
-                f"a multiple of num_generations ({self.num_generations})."
-            )
+        if self.loss_type == "tpo":
+            problem = BatchLayout.from_config(self, world_size).split_group_problem()
+            if problem is not None:
+                raise ValueError(
+                    f"TPO fits each prompt group's softmax at one set of weights, so the micro-steps that train a "
+                    f"group must fall within one optimiser step (whole prompt groups per optimiser step), but "
+                    f"{problem}. Set gradient_accumulation_steps to steps_per_generation x num_iterations "
+                    f"({self.steps_per_generation * self.num_iterations}) or steps_per_generation "
+                    f"({self.steps_per_generation}), or make per_device_train_batch_size a multiple of "
+                    f"num_generations ({self.num_generations})."
+                )
         uses = self.steps_per_generation * self.num_iterations
         accumulation = self.gradient_accumulation_steps
         if self.async_rollouts and uses % accumulation and accumulation % uses:

@@ -29,6 +29,7 @@ __all__ = [
     "clip_fractions",
     "decoupled_advantages",
     "group_advantages",
+    "group_log_softmax",
     "grpo_loss",
     "high_entropy_mask",
     "importance_sampling_weights",
@@ -44,6 +45,7 @@ __all__ = [
     "sequence_logps",
     "token_kl",
     "tpo_loss",
+    "tpo_loss_of_members",
     "tpo_scores",
     "tpo_target_diagnostics",
     "tpo_targets",
@@ -306,6 +308,21 @@ def sequence_logps(
     return total / mask.sum(dim=-1).clamp(min=1).to(total.dtype)
 
 
+def group_log_softmax(
+    sequence_logps: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log p``: the log-softmax of the sequence log-probs over each group's valid members (its policy softmax).
+
+    Invalid members read a finite, meaningless value; a group without a valid member is finite too (never NaN).
+    """
+    logps = _group(_as_float(sequence_logps), num_generations, "sequence_logps")
+    valid = _group_valid(valid_mask, sequence_logps, num_generations)
+    # A finite fill rather than -inf: a group with no valid member then has a finite log-softmax, so neither the
+    # value nor the gradient (routed to nobody by `where`) can become NaN.
+    floor = torch.tensor(torch.finfo(logps.dtype).min, dtype=logps.dtype, device=logps.device)
+    return torch.log_softmax(torch.where(valid, logps, floor), dim=-1).reshape(-1)
+
+
 def tpo_loss(
     sequence_logps: torch.Tensor,
     targets: torch.Tensor,
@@ -317,15 +334,42 @@ def tpo_loss(
     The log-softmax runs over each group's valid members. A group without a valid member contributes exactly 0 and
     still counts in the average, so the gradient with respect to ``l_i`` is ``(p_i - q_i) / G`` everywhere.
     """
-    logps = _group(_as_float(sequence_logps), num_generations, "sequence_logps")
-    q = _group(targets.detach(), num_generations, "targets").to(logps.dtype)
+    log_policy = _group(group_log_softmax(sequence_logps, num_generations, valid_mask), num_generations, "logps")
+    q = _group(targets.detach(), num_generations, "targets").to(log_policy.dtype)
     valid = _group_valid(valid_mask, sequence_logps, num_generations)
-    # A finite fill rather than -inf: a group with no valid member then has a finite log-softmax, so neither the
-    # value nor the gradient (routed to nobody by `where`) can become NaN.
-    floor = torch.tensor(torch.finfo(logps.dtype).min, dtype=logps.dtype, device=logps.device)
-    log_policy = torch.log_softmax(torch.where(valid, logps, floor), dim=-1)
     cross_entropy = -torch.where(valid, q * log_policy, torch.zeros_like(log_policy)).sum(dim=-1)
     return cross_entropy.mean()
+
+
+def tpo_loss_of_members(
+    sequence_logps: torch.Tensor,
+    group_log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    num_groups: float,
+    valid_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TPO's loss over some members of groups whose softmax at the current weights is known: ``log p`` from
+    :func:`group_log_softmax` of the whole groups, computed beforehand.
+
+    The gradient with respect to ``l_i`` is ``(p_i - q_i) / num_groups``, as :func:`tpo_loss`'s over the whole groups
+    (``num_groups`` of them); the value is these members' part ``-sum_i q_i log p_i / num_groups`` of its value. So
+    the members of a group may be spread over several backward passes at the same weights: their losses add up to
+    the whole groups' loss, value and gradient. Invalid members contribute 0.
+    """
+    if not sequence_logps.shape == group_log_probs.shape == targets.shape:
+        raise ValueError(
+            f"`sequence_logps` {tuple(sequence_logps.shape)}, `group_log_probs` {tuple(group_log_probs.shape)} and "
+            f"`targets` {tuple(targets.shape)} must have one entry per member."
+        )
+    logps = _as_float(sequence_logps)
+    log_policy = group_log_probs.detach().to(logps.dtype)
+    q = targets.detach().to(logps.dtype)
+    valid = torch.ones_like(logps, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
+    zero = torch.zeros_like(logps)
+    value = -torch.where(valid, q * log_policy, zero).sum()
+    # Value 0, gradient (p - q): the whole groups' gradient reaches each member through its own l_i.
+    pull = torch.where(valid, (log_policy.exp() - q) * (logps - logps.detach()), zero).sum()
+    return (value + pull) / num_groups
 
 
 def token_kl(

@@ -115,7 +115,20 @@ class TargetObjective(Objective):
     def loss(self, per_token_logps, batch, mask, valid, mode, token_weights=None) -> ObjectiveResult:
         if token_weights is not None:  # the values, and so p and q, stay; the left-out tokens get no gradient
             per_token_logps = F.scale_token_gradients(per_token_logps, token_weights.expand_as(per_token_logps))
+        if batch.group_log_probs is not None:
+            return self.cross_entropy_of_members(per_token_logps, batch, mask, valid, mode)
         return self.cross_entropy_to_targets(per_token_logps, batch, mask, valid, mode)
+
+    def cross_entropy_of_members(
+        self, per_token_logps: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
+    ) -> ObjectiveResult:
+        """The step batch's part of the cross-entropy of groups split over micro-steps, from their softmax at the
+        current weights (``split_groups.py``); q was built at rollout. Per micro-step it is divided by the groups the
+        batch's rows make up, as a step batch of whole groups is by its groups."""
+        sequence_logps = F.sequence_logps(per_token_logps, mask, self.args.tpo_length_normalize_logps)
+        num_groups = len(batch) / self.group_size(mode)
+        loss = F.tpo_loss_of_members(sequence_logps, batch.group_log_probs, batch.cache.targets, num_groups, valid)
+        return ObjectiveResult(loss, None, {}, {})
 
     def cross_entropy_to_targets(
         self, per_token_logps: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from . import functional as F
+from .batch_layout import BatchLayout
 from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
 from .config import TargetPOConfig
 from .data import (
@@ -70,6 +71,7 @@ from .rollout.records import RolloutBatch
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
+from .split_groups import SplitGroups
 from .tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from .vision import is_processor
 
@@ -260,7 +262,10 @@ class TargetPOTrainer(Trainer):
         # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
         # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
         self._generate_every = args.steps_per_generation * args.num_iterations
-        self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0
+        # TPO's groups spread over micro-steps need their q and p_old before their first micro-step.
+        self._layout = BatchLayout.from_config(args, self.accelerator.num_processes)
+        self._groups_split = args.loss_type == "tpo" and self._layout.splits_groups
+        self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0 or self._groups_split
         self._lookahead_use = None
         if args.async_rollouts:
             self._lookahead_use = lookahead_use(
@@ -317,6 +322,15 @@ class TargetPOTrainer(Trainer):
             args.logps_chunk_size,
             rows_per_pass=args.per_device_train_batch_size,
         )
+        self._split_groups = None
+        if self._groups_split:
+            self._split_groups = SplitGroups(
+                self._layout,
+                self.accelerator,
+                self._logps,
+                args.tpo_length_normalize_logps,
+                lambda what: self._failures_reach_every_process(what, local=not self._sharded),
+            )
 
     @property
     def rollout_backend(self) -> RolloutBackend:
@@ -439,7 +453,10 @@ class TargetPOTrainer(Trainer):
     def _prepare_inputs(self, rows: list[dict[str, Any]]) -> RolloutBatch:
         if not self.model.training:
             return self._rollout(rows, mode="eval")
-        return self._scheduler.step_batch(rows)  # the step batch of the current rollout, made at its first use
+        batch = self._scheduler.step_batch(rows)  # the step batch of the current rollout, made at its first use
+        if self._split_groups is not None:  # p of the groups this optimiser step trains, at its weights
+            self._split_groups.refresh(self.model, self._scheduler.buffer, self._scheduler.use, self.state.global_step)
+        return batch
 
     @torch.no_grad()
     def _rollout(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
@@ -457,6 +474,8 @@ class TargetPOTrainer(Trainer):
             step, rollout = self.state.global_step, self._rollout_count
             self._completion_table = self._rollout_scorer.completion_table(scored, step, rollout, extra_columns)
         self._targets_at_rollout(batch, advantages_all, valid_all, mode)
+        if mode == "train" and self._split_groups is not None:
+            self._split_groups.at_rollout(batch, valid_all, self.state.global_step)
         self._rollout_scorer.record_metrics(scored, group_size, mode)
         return batch
 

@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "targetpo"
 # The order of docs/architecture.md's module table (a package's __init__ after the modules it gathers).
 LAYERS = [
     "functional",
+    "batch_layout",
     "config",
     "distributed",
     "tools",
@@ -34,6 +35,7 @@ LAYERS = [
     "multi_turn",
     "rollout.records",
     "policy_logps",
+    "split_groups",
     "regularisers",
     "objectives",
     "metrics",

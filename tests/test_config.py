@@ -96,7 +96,7 @@ def test_bad_settings_are_refused_with_a_message(tmp_path, kwargs, message):
 def test_whole_groups_message_explains_the_numbers(tmp_path):
     with pytest.raises(ValueError) as error:
         config(tmp_path, per_device_train_batch_size=6, num_generations=4)
-    assert "generation_batch_size // steps_per_generation = 6" in str(error.value)
+    assert "generation_batch_size = 6 completions" in str(error.value)
     assert "num_generations=4" in str(error.value)
 
 
@@ -111,16 +111,70 @@ def test_groups_may_span_processes_with_one_step_per_generation(tmp_path, two_pr
     assert args.generation_batch_size == 4 and args.steps_per_generation == 1
 
 
-def test_several_steps_per_generation_need_whole_groups_per_process(tmp_path, two_processes):
-    with pytest.raises(ValueError, match="per_device_train_batch_size \\(2\\) must be a multiple of num_generations \\(4\\)"):
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # A group of 8 over the 4 micro-steps of one optimiser step, also trained twice (num_iterations).
+        dict(per_device_train_batch_size=2, num_generations=8, steps_per_generation=4, gradient_accumulation_steps=4),
+        dict(per_device_train_batch_size=2, num_generations=8, steps_per_generation=4, gradient_accumulation_steps=8,
+             num_iterations=2),
+        dict(per_device_train_batch_size=2, num_generations=8, steps_per_generation=4, gradient_accumulation_steps=4,
+             num_iterations=2),
+        # Two optimiser steps per pass over the rollout: groups of 6 over micro-steps of 3 rows, two micro-steps (one
+        # group) per optimiser step.
+        dict(per_device_train_batch_size=3, num_generations=6, steps_per_generation=4, gradient_accumulation_steps=2),
+    ],
+)
+def test_tpo_groups_may_spread_over_the_micro_steps_of_one_optimiser_step(tmp_path, settings):
+    args = config(tmp_path, **settings)
+    assert args.generation_batch_size == settings["per_device_train_batch_size"] * 4
+
+
+@pytest.mark.parametrize(
+    "settings, where",
+    [
+        # The one group's 4 micro-steps fall in two optimiser steps of 2 micro-steps each.
+        (dict(per_device_train_batch_size=2, num_generations=8, steps_per_generation=4, gradient_accumulation_steps=2),
+         "step batches \\[0, 1, 2, 3\\]"),
+        (dict(per_device_train_batch_size=4, num_generations=6, steps_per_generation=3, gradient_accumulation_steps=1),
+         "step batches \\[0, 1\\]"),
+        (dict(per_device_train_batch_size=2, num_generations=4, steps_per_generation=2, gradient_accumulation_steps=3),
+         "neither divides nor is a multiple"),
+    ],
+)
+def test_tpo_refuses_a_group_spread_over_optimiser_steps_and_says_why(tmp_path, settings, where):
+    with pytest.raises(ValueError, match=f"whole prompt groups per optimiser step.*{where}"):
+        config(tmp_path, **settings)
+
+
+def test_policy_gradient_losses_need_whole_groups_per_rollout_only(tmp_path):
+    """Their advantages are whitened over the whole rollout; a step batch may hold any of its rows."""
+    args = config(
+        tmp_path, loss_type="grpo", per_device_train_batch_size=2, num_generations=8, steps_per_generation=4
+    )
+    assert args.generation_batch_size == 8
+    with pytest.raises(ValueError, match="Each rollout must hold whole prompt groups"):
+        config(tmp_path, loss_type="grpo", per_device_train_batch_size=2, num_generations=8, steps_per_generation=3)
+
+
+def test_several_steps_per_generation_over_processes_spread_groups_within_an_optimiser_step(
+    tmp_path, two_processes
+):
+    # Process 0 holds rows 0-3 of the rollout in step batches [0, 1], [2, 3]: group 0 spans both micro-steps.
+    with pytest.raises(ValueError, match="step batches \\[0, 1\\], which different optimiser steps train"):
         config(tmp_path, per_device_train_batch_size=2, num_generations=4, steps_per_generation=2)
+    args = config(
+        tmp_path, per_device_train_batch_size=2, num_generations=4, steps_per_generation=2,
+        gradient_accumulation_steps=2,
+    )
+    assert args.generation_batch_size == 8
     args = config(tmp_path, per_device_train_batch_size=4, num_generations=4, steps_per_generation=2)
     assert args.generation_batch_size == 16
 
 
 def test_whole_groups_check_counts_every_process(tmp_path, two_processes):
     with pytest.raises(ValueError, match="whole prompt groups"):
-        config(tmp_path, per_device_train_batch_size=3, num_generations=4)  # 3 x 2 = 6 per step
+        config(tmp_path, per_device_train_batch_size=3, num_generations=4)  # 3 x 2 = 6 per rollout
 
 
 def test_command_line_parsing(tmp_path):

@@ -184,6 +184,47 @@ def test_group_without_valid_member_contributes_exactly_zero():
     assert all_invalid.item() == 0.0
 
 
+def test_group_log_softmax_closed_form():
+    # Sequence log-probs log 1, log 2, log 1 (+ any constant): p = 1/4, 1/2, 1/4; the invalid member is left out.
+    logps = t([0.0, math.log(2.0), 0.0, 7.0]) - 3.0
+    valid = torch.tensor([True, True, True, False])
+    log_p = F.group_log_softmax(torch.cat([logps, t([1.0, 1.0, 1.0, 1.0])]), 4, torch.cat([valid, valid]))
+    assert torch.allclose(log_p[:3].exp(), t([0.25, 0.5, 0.25]))
+    assert torch.allclose(log_p[4:7].exp(), t([1 / 3, 1 / 3, 1 / 3]))
+    empty = F.group_log_softmax(t([1.0, 2.0]), 2, torch.tensor([False, False]))
+    assert torch.isfinite(empty).all()
+
+
+def test_members_of_a_group_split_over_backward_passes_add_up_to_the_whole_groups_loss():
+    """Two groups of 4 cut into micro-batches of 3, 3 and 2 rows: each part's gradient with respect to l_i is
+    (p_i - q_i) / G from the whole groups' p, and values and gradients add up to tpo_loss on the whole groups."""
+    torch.manual_seed(2)
+    logps = torch.randn(8, dtype=torch.float64)
+    valid = torch.tensor([True, True, False, True, True, True, True, True])
+    q = F.tpo_targets(torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 4, valid)
+    whole = logps.clone().requires_grad_()
+    whole_loss = F.tpo_loss(whole, q, 4, valid)
+    whole_loss.backward()
+    log_p = F.group_log_softmax(logps, 4, valid)  # known beforehand, at the same weights
+    parts, total = logps.clone().requires_grad_(), 0.0
+    for rows in (slice(0, 3), slice(3, 6), slice(6, 8)):
+        # Each micro-batch is divided by the groups per micro-batch (2 / 3), and the micro-steps' losses by their
+        # number, as gradient accumulation does: (p - q) / (2 / 3) / 3 = (p - q) / 2.
+        part = F.tpo_loss_of_members(parts[rows], log_p[rows], q[rows], 2 / 3, valid[rows]) / 3
+        part.backward()
+        total += part.item()
+    p = log_p.exp()
+    expected = torch.where(valid, (p - q) / 2, torch.zeros_like(p))
+    assert torch.allclose(parts.grad, expected, atol=1e-12)
+    assert torch.allclose(parts.grad, whole.grad, atol=1e-12)
+    assert total == pytest.approx(whole_loss.item(), rel=1e-12)
+
+
+def test_loss_of_members_needs_one_entry_per_member():
+    with pytest.raises(ValueError, match="one entry per member"):
+        F.tpo_loss_of_members(t([0.0, 1.0]), t([0.0]), t([0.5, 0.5]), 1.0)
+
+
 @pytest.mark.parametrize("length_normalize", [True, False])
 def test_gradient_through_length_normalisation(length_normalize):
     # d loss / d logp_t = (p - q) / G, divided by the completion's token count when normalised.

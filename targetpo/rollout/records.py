@@ -69,6 +69,10 @@ class RolloutBatch:
     rollout_step: int | None = None
     rows_with_gradient_at_rollout: torch.Tensor | None = None
     rows_with_gradient: torch.Tensor | None = None
+    # Groups split over micro-steps (TPO): each row's log of its group's softmax p at the weights of optimiser step
+    # ``group_log_probs_step`` (``split_groups.py``).
+    group_log_probs: torch.Tensor | None = None
+    group_log_probs_step: int | None = None
     cache: StepCache = field(default_factory=StepCache)
 
     def __len__(self) -> int:

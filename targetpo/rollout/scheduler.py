@@ -79,6 +79,7 @@ class RolloutScheduler:
         self.weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
         self.upcoming: UpcomingRollout | EpisodesAhead | None = None  # the next rollout, under way (async_rollouts)
         self.buffer: list[RolloutBatch] | None = None  # the current rollout's step batches
+        self.use = 0  # the current rollout's use the last step batch was handed out for
         self.rollout_indices: list[int] | None = None  # the dataset rows of the rollout being made (async_rollouts)
         self._episode_player: ThreadPoolExecutor | None = None  # plays episodes ahead, one rollout at a time
         self._this_thread = threading.local()  # the backend the episodes playing ahead generate with, on their thread
@@ -173,7 +174,7 @@ class RolloutScheduler:
         """The training step batch these tagged rows stand for: use 0 makes a new rollout (so does a resumed run, which
         may begin mid-rollout); uses cycle through the step batches, ``num_iterations`` times."""
         trainer, args = self.trainer, self.trainer.args
-        use = rows[0][ROLLOUT_USE]
+        use = self.use = rows[0][ROLLOUT_USE]
         upcoming = [row.get(UPCOMING_ROW) for row in rows]
         self.rollout_indices = [row.get(ROW_INDEX) for row in rows]
         rows = [_untagged(row) for row in rows]
