@@ -164,8 +164,11 @@ def reference_step(run, step, reference_model=None):
         u = ref.whitened(run.rewards[rollout], tensors["completion_mask"].any(dim=1), K)[rows]
         # Rows without gradient are left out unless a term other than the policy loss trains on them too.
         skips = args.beta == 0 and not args.entropy_coef and args.top_entropy_quantile == 1
-        trained = trained_groups(u, valid, K, at_rollout_weights) if skips else [True] * (len(u) // K)
-        trained_rows = torch.tensor(trained).repeat_interleave(K) & valid
+        if loss_type == "tpo":
+            trained = trained_groups(u, valid, K, at_rollout_weights) if skips else [True] * (len(u) // K)
+            trained_rows = torch.tensor(trained).repeat_interleave(K) & valid
+        else:  # each row on its own: a policy-gradient row without advantage has no gradient
+            trained_rows = valid & (u != 0) if skips else valid
         logps, entropy = ref.token_logps(model, *inputs, sampling_temperature(args), suppressed_ids(args))
         with torch.no_grad():
             old, _ = ref.token_logps(rollout_model, *inputs, sampling_temperature(args), suppressed_ids(args))
@@ -491,9 +494,13 @@ def test_grpo_steps_use_the_rollout_log_probs_and_clip(tmp_path, tokenizer, monk
         dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence", learning_rate=1.0),
         dict(loss_type="vespo", num_iterations=2, learning_rate=1.0),
         dict(loss_type="grpo", num_iterations=2, importance_sampling_level="sequence"),  # GSPO
+        # Micro-batches of 2 rows, groups of 4 spread over optimiser steps: the advantages are fixed at rollout, so the
+        # GRPO family needs whole groups per rollout only.
+        dict(loss_type="grpo", per_device_train_batch_size=2, steps_per_generation=4, gradient_accumulation_steps=2,
+             num_iterations=2, max_steps=4, score=distinct_letter_score, learning_rate=1.0),
     ],
     ids=["dapo-step-spans-rollout", "dapo-rollout-spans-steps", "bnpo", "dr_grpo-two-sided", "cispo", "sapo", "luspo", "vespo",
-         "gspo"],
+         "gspo", "grpo-groups-over-optimiser-steps"],
 )
 def test_each_grpo_family_step_is_minus_lr_times_the_hand_built_gradient(tmp_path, tokenizer, monkeypatch, settings):
     """Every loss on real rollouts, off-policy from the second epoch on, against ``reference.policy_gradient_loss``;
