@@ -16,6 +16,7 @@ LAYERS = [
     "reporting",
     "demo",
     "modeling.loading",
+    "modeling.packing",
     "modeling.logps",
     "modeling",
     "vision",
