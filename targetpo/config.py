@@ -333,6 +333,17 @@ class GRPOConfig(TrainingArguments):
             "tensor (always the case under ZeRO-3/FSDP2 and for models whose logits are post-processed)."
         },
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the training log-probs (the policy's, the old policy's, the reference's) with each "
+            "micro-batch packed into one row of its real tokens, each sequence's position ids restarting at 0: no "
+            "compute on padding, the output head only at completion positions, the same log-probs. Models and "
+            "inputs that cannot be packed exactly (images, recurrent or chunked-attention layers, attention masks "
+            "built without the position ids) keep the padded rows, with a warning saying why. Fastest under flash "
+            "attention; sdpa and eager attention build the packed row's whole attention mask."
+        },
+    )
     skip_zero_gradient_completions: bool = field(
         default=True,
         metadata={

@@ -1,12 +1,14 @@
 """The trainer's token log-probs of a rollout's completions: which rows go through the model, their images, and the
 settings (temperature, suppressed tokens, chunked or Liger head) that make them the log-probs sampling saw.
 
-The kernels themselves (``completion_logps``) live in ``modeling``; this module decides what to feed them.
+The kernels themselves (``completion_logps``, ``packed_completion_logps``) live in ``modeling``; this module decides
+what to feed them, and whether rows go through the model packed (``padding_free``) or padded.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -14,7 +16,8 @@ import torch
 from torch import nn
 
 from .modeling.loading import forward_accepts_position_ids
-from .modeling.logps import completion_logps, liger_head_problem, supports_chunked_head
+from .modeling.logps import completion_logps, liger_head_problem, packed_completion_logps, supports_chunked_head
+from .modeling.packing import model_packing_problem, rows_packing_problem
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 
@@ -41,6 +44,7 @@ class PolicyLogps:
         chunk_size: int | None,
         liger: bool,
         rows_per_pass: int,
+        padding_free: bool = False,
     ):
         self.temperature = temperature
         self.suppressed_token_ids = suppressed_token_ids  # tokens sampling never picks get no probability here either
@@ -48,6 +52,9 @@ class PolicyLogps:
         self.chunk_size = chunk_size
         self.liger = liger
         self.rows_per_pass = rows_per_pass
+        self.padding_free = padding_free
+        self._model_packing_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> str | None
+        self._noted: set[tuple[str, str]] = set()  # the reasons a warning has given
 
     @classmethod
     def for_model(
@@ -61,6 +68,7 @@ class PolicyLogps:
         use_liger_kernel: bool,
         chunk_size: int | None,
         rows_per_pass: int,
+        padding_free: bool = False,
     ) -> PolicyLogps:
         """The settings that fit ``model`` (as the trainer wraps it): chunks and Liger only where they are exact."""
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
@@ -69,9 +77,8 @@ class PolicyLogps:
         if liger:
             chunk_size = chunk_size or 512  # the entropy metric is still computed in chunks
         suppressed_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=device)
-        return cls(
-            temperature, suppressed_ids, forward_accepts_position_ids(unwrapped), chunk_size, liger, rows_per_pass
-        )
+        use_position_ids = forward_accepts_position_ids(unwrapped)
+        return cls(temperature, suppressed_ids, use_position_ids, chunk_size, liger, rows_per_pass, padding_free)
 
     def __call__(
         self,
@@ -99,28 +106,58 @@ class PolicyLogps:
                 {key[len(prefix) :]: take(value) for key, value in batch.items() if key.startswith(prefix)}
                 for prefix in (PROMPT_ALIGNED, COMPLETION_ALIGNED)
             )
-        results = completion_logps(
-            model,
-            *(take(batch[key]) for key in ROW_TENSORS),
-            image_inputs=image_inputs,
-            prompt_aligned=prompt_aligned,
-            completion_aligned=completion_aligned,
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            router_aux_loss=router_aux_loss,
-            # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
-            use_position_ids=self.use_position_ids
-            and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
-            suppressed_token_ids=self.suppressed_token_ids,
-            chunk_size=self.chunk_size,
-            liger=self.liger,
-        )
+        rows_tensors = [take(batch[key]) for key in ROW_TENSORS]
+        settings = {
+            "temperature": self.temperature,
+            "with_entropy": with_entropy,
+            "entropy_grad": entropy_grad,
+            "router_aux_loss": router_aux_loss,
+            "suppressed_token_ids": self.suppressed_token_ids,
+            "chunk_size": self.chunk_size,
+            "liger": self.liger,
+        }
+        if self._packs(model, rows_tensors, with_images=pixel_inputs is not None):
+            results = packed_completion_logps(model, *rows_tensors, **settings)
+        else:
+            results = completion_logps(
+                model,
+                *rows_tensors,
+                image_inputs=image_inputs,
+                prompt_aligned=prompt_aligned,
+                completion_aligned=completion_aligned,
+                # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
+                use_position_ids=self.use_position_ids
+                and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
+                **settings,
+            )
         logps, entropies = results[:2]
         aux_loss = results[2] if router_aux_loss else None
         if selected is not None:
             logps, entropies = (_scatter_rows(value, selected, batch) for value in (logps, entropies))
         return TokenLogps(logps, entropies, aux_loss)
+
+    def _packs(self, model: nn.Module, rows_tensors: list[torch.Tensor], with_images: bool) -> bool:
+        """Whether the rows go through ``model`` packed: with ``padding_free``, where it gives the padded pass's
+        log-probs; where it would not, a warning says why, once for each reason."""
+        if not self.padding_free:
+            return False
+        if model not in self._model_packing_problems:  # before any check of the rows: every process probes together
+            self._model_packing_problems[model] = model_packing_problem(model)
+        subject, problem = f"{type(getattr(model, 'module', model)).__name__}'s", self._model_packing_problems[model]
+        if problem is None:
+            subject = "these"
+            if with_images:
+                problem = "the prompts have images, whose inputs are laid out along the padded rows"
+            else:
+                problem = rows_packing_problem(rows_tensors[1], rows_tensors[3])
+        if problem is not None and (subject, problem) not in self._noted:
+            self._noted.add((subject, problem))
+            warnings.warn(
+                f"padding_free: {subject} log-probs are computed from padded rows, not packed ones, because {problem}. "
+                "They are the same values, computed with padding.",
+                stacklevel=3,
+            )
+        return problem is None
 
     def batched(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Log-probs of a whole rollout, a training micro-batch at a time."""

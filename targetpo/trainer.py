@@ -321,6 +321,7 @@ class TargetPOTrainer(Trainer):
             args.use_liger_kernel,
             args.logps_chunk_size,
             rows_per_pass=args.per_device_train_batch_size,
+            padding_free=args.padding_free,
         )
         self._split_groups = None
         if self._groups_split:

@@ -17,6 +17,7 @@ LAYERS = [
     "reporting",
     "demo",
     "modeling.loading",
+    "modeling.packing",
     "modeling.logps",
     "modeling",
     "vision",

@@ -2,7 +2,8 @@
 
 The log-probs are those of the distribution generation sampled from (:func:`_sampled_logits`). The head's logits
 come whole from the model, or a chunk of positions at a time from its final hidden states (a plain linear head with a
-hand-written backward pass, any other head under activation checkpointing), or from Liger's fused kernel.
+hand-written backward pass, any other head under activation checkpointing), or from Liger's fused kernel. The
+rows go through the model padded (:func:`completion_logps`) or packed into one row (:func:`packed_completion_logps`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from packaging.version import Version
 from torch import nn
 
 from .loading import Float32OutputHead, is_peft_model
+from .packing import pack_rows
 
 
 def _nonempty(token_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -322,17 +324,42 @@ def _chunked_head_logps(
     liger: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time.
+    """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time
+    (:func:`_head_logps_of_positions`); positions outside ``mask`` are skipped and read as 0."""
+    flat_logps, flat_entropy = _head_logps_of_positions(
+        head,
+        hidden[mask],
+        token_ids[mask],
+        temperature,
+        suppressed_token_ids,
+        chunk_size,
+        with_entropy,
+        liger,
+        entropy_grad,
+    )
+    return _scattered(flat_logps, mask), _scattered(flat_entropy, mask)
+
+
+def _head_logps_of_positions(
+    head: nn.Module,
+    hidden_rows: torch.Tensor,
+    token_rows: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+    chunk_size: int,
+    with_entropy: bool,
+    liger: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of ``(N, H)`` hidden states, ``chunk_size`` positions at a time: two ``(N,)``.
 
     Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and in the backward pass too,
-    which recomputes them (:class:`_LinearHeadLogps` for a plain linear head, activation checkpointing for any other);
-    positions outside ``mask`` are skipped and read as 0. With ``liger``
-    the log-probs come from Liger's fused kernel instead (no suppressed tokens), and the entropies, a metric, from
-    chunks computed without gradient.
+    which recomputes them (:class:`_LinearHeadLogps` for a plain linear head, activation checkpointing for any other).
+    With ``liger`` the log-probs come from Liger's fused kernel instead (no suppressed tokens), and the entropies, a
+    metric, from chunks computed without gradient.
     """
     if liger and _nonempty(suppressed_token_ids) is not None:
         raise ValueError("Liger's fused kernel cannot leave suppressed tokens out of the softmax; use liger=False.")
-    hidden_rows, token_rows = hidden[mask], token_ids[mask]
     weight = getattr(head, "weight", None)
     if weight is not None and weight.dtype in HEAD_DTYPES and hidden_rows.dtype != weight.dtype:
         # Mixed precision (bf16=True) hands back the model's outputs, hidden states too, in float32: the head runs
@@ -346,13 +373,15 @@ def _chunked_head_logps(
                 _, flat_entropy = _head_in_chunks(
                     head, hidden_rows, token_rows, temperature, None, chunk_size, True, entropy_grad
                 )
-    else:
-        flat_logps, flat_entropy = _head_in_chunks(
-            head, hidden_rows, token_rows, temperature, suppressed_token_ids, chunk_size, with_entropy, entropy_grad
-        )
-    full_logps = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_logps)
-    full_entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, flat_entropy)
-    return full_logps, full_entropy
+        return flat_logps, flat_entropy
+    return _head_in_chunks(
+        head, hidden_rows, token_rows, temperature, suppressed_token_ids, chunk_size, with_entropy, entropy_grad
+    )
+
+
+def _scattered(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor shaped like ``mask`` holding ``values`` at its positions, in order, and 0 elsewhere."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=values.device).masked_scatter(mask, values.float())
 
 
 def completion_logps(
@@ -505,3 +534,59 @@ def _logps_from_hidden_states(
         entropy_grad=entropy_grad,
     )
     return logps, entropies if with_entropy else None, getattr(outputs, "aux_loss", None)
+
+
+def packed_completion_logps(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    suppressed_token_ids: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    liger: bool = False,
+    entropy_grad: bool = False,
+    router_aux_loss: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`completion_logps` of the rows packed into one (:func:`~targetpo.modeling.packing.pack_rows`): the same
+    log-probs, entropies and router loss, with no padding in the forward pass and the output head run only where a
+    completion token is predicted; positions outside the completion attention mask read 0.
+
+    The rows and the model must allow packing (:func:`~targetpo.modeling.packing.rows_packing_problem`,
+    :func:`~targetpo.modeling.packing.model_packing_problem`): without an attention mask, transformers keeps the
+    sequences apart by their position ids, which restart at 0 for each row.
+    """
+    packed = pack_rows(prompt_ids, prompt_mask, completion_ids, completion_attention_mask)
+    inputs: dict[str, Any] = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    if router_aux_loss:
+        inputs["output_router_logits"] = True
+    token_ids = completion_ids[packed.completion_mask]
+    suppressed = None if suppressed_token_ids is None else _nonempty(suppressed_token_ids.to(token_ids.device))
+    if chunk_size is None:
+        outputs = model(**inputs, logits_to_keep=packed.predicting)
+        logits = _sampled_logits(outputs.logits[0], temperature, suppressed)
+        positions_per_chunk = 4 * max(1, completion_ids.size(1))  # as many as the padded pass's chunks of 4 rows
+        flat_logps = selective_log_softmax(logits, token_ids, positions_per_chunk)
+        flat_entropy = entropy_from_logits(logits, positions_per_chunk, entropy_grad) if with_entropy else None
+    else:
+        # The head runs chunk by chunk on the final hidden states; the model computes one position's logits.
+        outputs = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+        hidden = outputs.hidden_states[-1][0, packed.predicting]
+        flat_logps, flat_entropy = _head_logps_of_positions(
+            _output_head(model),
+            hidden,
+            token_ids,
+            temperature,
+            suppressed,
+            chunk_size,
+            with_entropy,
+            liger,
+            entropy_grad,
+        )
+    logps = _scattered(flat_logps, packed.completion_mask)
+    entropies = _scattered(flat_entropy, packed.completion_mask) if with_entropy else None
+    if router_aux_loss:
+        return logps, entropies, getattr(outputs, "aux_loss", None)
+    return logps, entropies
