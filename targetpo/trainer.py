@@ -316,6 +316,7 @@ class TargetPOTrainer(Trainer):
             args.use_liger_kernel,
             args.logps_chunk_size,
             rows_per_pass=args.per_device_train_batch_size,
+            head_kernel=args.logps_head_kernel,
         )
 
     @property

@@ -16,6 +16,7 @@ LAYERS = [
     "reporting",
     "demo",
     "modeling.loading",
+    "modeling.triton_head",
     "modeling.logps",
     "modeling",
     "vision",
