@@ -54,7 +54,9 @@ def test_the_kernels_compile_for_a_gpu():
         for kernel, constants in kernels:
             signature = {name: dtype if name == "logits_ptr" else types.get(name, "*fp32") for name in kernel.arg_names}
             source = ASTSource(kernel, signature=signature, constexprs={"BLOCK": 4096, **constants})
-            compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": True})
+            compiled = compile(
+                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": True}
+            )
             assert compiled.asm["cubin"], (kernel, dtype)
 
 
