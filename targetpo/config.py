@@ -23,6 +23,8 @@ LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "gloo")
+#: What computes the chunked output head's log-probs and entropies from its logits.
+LOGPS_HEAD_KERNELS = ("torch", "triton")
 #: Fields never shown in printed or logged configs.
 SECRET_FIELDS = ("vllm_server_api_key",)
 
@@ -342,6 +344,17 @@ class GRPOConfig(TrainingArguments):
             "inputs that cannot be packed exactly (images, recurrent or chunked-attention layers, attention masks "
             "built without the position ids) keep the padded rows, with a warning saying why. Fastest under flash "
             "attention; sdpa and eager attention build the packed row's whole attention mask."
+        },
+    )
+    logps_head_kernel: str = field(
+        default="torch",
+        metadata={
+            "help": "What computes a chunked plain linear output head's token log-probs and entropies from its "
+            "logits: 'torch' (float32 logits, a written-out backward pass) or 'triton' (fused Triton kernels that "
+            "read the logits in the head's dtype, bf16 staying bf16, with float32 arithmetic, in the forward and "
+            "backward passes; needs a GPU). Where 'triton' cannot apply (logps_chunk_size=0, sharded weights, an "
+            "adapted, quantised, hooked or post-processed head) a warning says so and torch computes the head.",
+            "choices": LOGPS_HEAD_KERNELS,
         },
     )
     skip_zero_gradient_completions: bool = field(
@@ -741,6 +754,12 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 "async_rollouts=True generates on a vLLM server while training goes on: set use_vllm=True and "
                 "vllm_mode='server' (or async_rollouts=False)."
+            )
+        if self.use_liger_kernel and self.logps_head_kernel != "torch":
+            raise ValueError(
+                f"use_liger_kernel=True computes the training log-probs with Liger's fused kernel, and "
+                f"logps_head_kernel={self.logps_head_kernel!r} with another one: choose one (logps_head_kernel='torch' "
+                "with Liger)."
             )
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
             raise ValueError(

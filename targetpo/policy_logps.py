@@ -1,5 +1,5 @@
 """The trainer's token log-probs of a rollout's completions: which rows go through the model, their images, and the
-settings (temperature, suppressed tokens, chunked or Liger head) that make them the log-probs sampling saw.
+settings (temperature, suppressed tokens, chunked, Triton or Liger head) that make them the log-probs sampling saw.
 
 The kernels themselves (``completion_logps``, ``packed_completion_logps``) live in ``modeling``; this module decides
 what to feed them, and whether rows go through the model packed (``padding_free``) or padded.
@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from .modeling.loading import forward_accepts_position_ids
-from .modeling.logps import completion_logps, liger_head_problem, packed_completion_logps, supports_chunked_head
+from .modeling.logps import (
+    completion_logps,
+    liger_head_problem,
+    packed_completion_logps,
+    supports_chunked_head,
+    triton_head_problem,
+)
 from .modeling.packing import model_packing_problem, rows_packing_problem
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
@@ -45,6 +51,7 @@ class PolicyLogps:
         liger: bool,
         rows_per_pass: int,
         padding_free: bool = False,
+        head_kernel: str = "torch",
     ):
         self.temperature = temperature
         self.suppressed_token_ids = suppressed_token_ids  # tokens sampling never picks get no probability here either
@@ -53,6 +60,7 @@ class PolicyLogps:
         self.liger = liger
         self.rows_per_pass = rows_per_pass
         self.padding_free = padding_free
+        self.head_kernel = head_kernel
         self._model_packing_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> str | None
         self._noted: set[tuple[str, str]] = set()  # the reasons a warning has given
 
@@ -69,16 +77,23 @@ class PolicyLogps:
         chunk_size: int | None,
         rows_per_pass: int,
         padding_free: bool = False,
+        head_kernel: str = "torch",
     ) -> PolicyLogps:
-        """The settings that fit ``model`` (as the trainer wraps it): chunks and Liger only where they are exact."""
+        """The settings that fit ``model`` (as the trainer wraps it): chunks, Liger and the Triton head only where
+        they are exact."""
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
+        asked_chunk_size = chunk_size
         chunk_size = (chunk_size or None) if supports_chunked_head(model) and not sharded else None
         liger = use_liger_kernel and _liger_can_compute_logps(model, sharded, bool(suppressed))
         if liger:
             chunk_size = chunk_size or 512  # the entropy metric is still computed in chunks
+        if head_kernel == "triton" and not _triton_can_compute_logps(model, sharded, asked_chunk_size):
+            head_kernel = "torch"
         suppressed_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=device)
         use_position_ids = forward_accepts_position_ids(unwrapped)
-        return cls(temperature, suppressed_ids, use_position_ids, chunk_size, liger, rows_per_pass, padding_free)
+        return cls(
+            temperature, suppressed_ids, use_position_ids, chunk_size, liger, rows_per_pass, padding_free, head_kernel
+        )
 
     def __call__(
         self,
@@ -115,6 +130,7 @@ class PolicyLogps:
             "suppressed_token_ids": self.suppressed_token_ids,
             "chunk_size": self.chunk_size,
             "liger": self.liger,
+            "head_kernel": self.head_kernel,
         }
         if self._packs(model, rows_tensors, with_images=pixel_inputs is not None):
             results = packed_completion_logps(model, *rows_tensors, **settings)
@@ -208,6 +224,22 @@ def _liger_can_compute_logps(model: nn.Module, sharded: bool, suppresses_tokens:
         warnings.warn(
             f"use_liger_kernel: the training log-probs do not use Liger's fused kernel because {problem}; they "
             "are computed in chunks by torch instead.",
+            stacklevel=4,
+        )
+    return problem is None
+
+
+def _triton_can_compute_logps(model: nn.Module, sharded: bool, chunk_size: int | None) -> bool:
+    """Whether the Triton head can compute the log-probs (a chunked plain linear head); if not, a warning says why."""
+    if sharded:
+        problem = "the weights are sharded (ZeRO-3 or FSDP2) and the kernels need the whole output head"
+    elif not chunk_size:
+        problem = "logps_chunk_size=0 asks for one full logits tensor, computed by the model"
+    else:
+        problem = triton_head_problem(model)
+    if problem is not None:
+        warnings.warn(
+            f"logps_head_kernel='triton': the log-probs are computed by torch instead because {problem}.",
             stacklevel=4,
         )
     return problem is None

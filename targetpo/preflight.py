@@ -13,7 +13,7 @@ from datasets import Dataset
 from .config import GRPOConfig, TargetPOConfig
 from .data import check_streaming_supported, column_values, first_row, is_stream, validate_prompt_dataset
 from .modeling.loading import model_identifier
-from .modeling.logps import require_liger
+from .modeling.logps import require_liger, require_triton
 from .multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool
 from .objectives import warn_if_grpo_config_trains_another_loss
 from .rewards import REWARD_ARGUMENTS
@@ -48,6 +48,8 @@ def check_run_settings(args: TargetPOConfig, evaluates: bool) -> None:
         args.check_eval_batch_size()
     if args.use_liger_kernel:
         require_liger(args.device)
+    if args.logps_head_kernel == "triton":
+        require_triton(args.device)
     if args.log_completions_hub_repo is not None:
         from huggingface_hub.constants import HF_HUB_OFFLINE
 

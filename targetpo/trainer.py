@@ -322,6 +322,7 @@ class TargetPOTrainer(Trainer):
             args.logps_chunk_size,
             rows_per_pass=args.per_device_train_batch_size,
             padding_free=args.padding_free,
+            head_kernel=args.logps_head_kernel,
         )
         self._split_groups = None
         if self._groups_split:

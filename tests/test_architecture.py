@@ -18,6 +18,7 @@ LAYERS = [
     "demo",
     "modeling.loading",
     "modeling.packing",
+    "modeling.triton_head",
     "modeling.logps",
     "modeling",
     "vision",

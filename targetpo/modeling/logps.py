@@ -2,14 +2,16 @@
 
 The log-probs are those of the distribution generation sampled from (:func:`_sampled_logits`). The head's logits
 come whole from the model, or a chunk of positions at a time from its final hidden states (a plain linear head with a
-hand-written backward pass, any other head under activation checkpointing), or from Liger's fused kernel. The
-rows go through the model padded (:func:`completion_logps`) or packed into one row (:func:`packed_completion_logps`).
+hand-written backward pass in torch or in Triton kernels, ``triton_head``; any other head under activation
+checkpointing), or from Liger's fused kernel. The rows go through the model padded (:func:`completion_logps`) or
+packed into one row (:func:`packed_completion_logps`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import os
 from typing import Any
 
@@ -116,6 +118,39 @@ def require_liger(device: torch.device) -> None:
             "Drop use_liger_kernel (the log-probs are chunked without it), or, only to test, set TRITON_INTERPRET=1 "
             "before Python starts to run the kernels (slowly) in Triton's interpreter."
         )
+
+
+def require_triton(device: torch.device) -> None:
+    """Refuse ``logps_head_kernel="triton"`` where its kernels cannot run, before any work: no Triton, or no GPU
+    (and no interpreter)."""
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError(
+            "logps_head_kernel='triton' needs Triton, which comes with PyTorch's CUDA builds: pip install triton."
+        )
+    from .triton_head import device_problem  # imports Triton
+
+    problem = device_problem(device)
+    if problem is not None:
+        raise ValueError(
+            f"logps_head_kernel='triton' cannot run here: {problem}. Use logps_head_kernel='torch' (the default)."
+        )
+
+
+def triton_head_problem(model: nn.Module) -> str | None:
+    """Why the Triton kernels cannot compute this model's head (:func:`_head_in_chunks`), or None when they can."""
+    if not supports_chunked_head(model):
+        return "the model post-processes its logits after the output head"
+    head = _output_head(model)
+    if type(head) is not nn.Linear:  # e.g. a LoRA-adapted or quantised head, or cast_lm_head_to_fp32's tied head
+        return f"the output head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    if head.weight.dtype not in HEAD_DTYPES:
+        return f"the output head's weights are {head.weight.dtype}, which the kernels would round to float32"
+    if not _is_plain_linear_head(head):
+        return (
+            "the output head has hooks or a replaced forward (cast_lm_head_to_fp32 on an untied head, offloading, "
+            "sharding) or a weight held elsewhere"
+        )
+    return None
 
 
 def liger_head_problem(model: nn.Module) -> str | None:
@@ -275,18 +310,31 @@ def _head_in_chunks(
     chunk_size: int,
     with_entropy: bool,
     entropy_grad: bool = False,
+    head_kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of ``(N, H)`` hidden states, the head running on ``chunk_size`` rows at a time."""
+    """Log-probs and entropies of ``(N, H)`` hidden states, the head running on ``chunk_size`` rows at a time.
+
+    ``head_kernel="triton"`` computes a plain linear head (float16, bfloat16 or float32) with Triton's kernels
+    (:func:`.triton_head.linear_head_logps`), with or without gradient; any other head as with ``"torch"``.
+    """
     logps, entropies = [], []
     weight = getattr(head, "weight", None)
     training = torch.is_grad_enabled() and (
         hidden_rows.requires_grad or (isinstance(weight, torch.Tensor) and weight.requires_grad)
     )
-    fused = training and _is_plain_linear_head(head) and weight.device == hidden_rows.device
+    plain = _is_plain_linear_head(head) and weight.device == hidden_rows.device
+    in_triton = head_kernel == "triton" and plain and weight.dtype in HEAD_DTYPES
+    if in_triton:
+        from .triton_head import linear_head_logps  # imports Triton
+    fused = training and plain
     suppressed_token_ids = _nonempty(suppressed_token_ids)
     for start in range(0, hidden_rows.size(0), chunk_size):
         part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
-        if fused:
+        if in_triton:
+            chunk_logps, chunk_entropy = linear_head_logps(
+                part[0], head.weight, head.bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
+            )
+        elif fused:
             chunk_logps, chunk_entropy = _LinearHeadLogps.apply(
                 part[0], head.weight, head.bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
             )
@@ -323,6 +371,7 @@ def _chunked_head_logps(
     with_entropy: bool = True,
     liger: bool = False,
     entropy_grad: bool = False,
+    head_kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the masked positions of ``(B, T, H)`` hidden states, ``chunk_size`` at a time
     (:func:`_head_logps_of_positions`); positions outside ``mask`` are skipped and read as 0."""
@@ -336,6 +385,7 @@ def _chunked_head_logps(
         with_entropy,
         liger,
         entropy_grad,
+        head_kernel,
     )
     return _scattered(flat_logps, mask), _scattered(flat_entropy, mask)
 
@@ -350,13 +400,14 @@ def _head_logps_of_positions(
     with_entropy: bool,
     liger: bool,
     entropy_grad: bool,
+    head_kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of ``(N, H)`` hidden states, ``chunk_size`` positions at a time: two ``(N,)``.
 
     Only one chunk's ``(chunk_size, V)`` logits exist at a time, in the forward pass and in the backward pass too,
-    which recomputes them (:class:`_LinearHeadLogps` for a plain linear head, activation checkpointing for any other).
-    With ``liger`` the log-probs come from Liger's fused kernel instead (no suppressed tokens), and the entropies, a
-    metric, from chunks computed without gradient.
+    which recomputes them (for a plain linear head :class:`_LinearHeadLogps`, or Triton's kernels with
+    ``head_kernel="triton"``; activation checkpointing for any other). With ``liger`` the log-probs come from Liger's
+    fused kernel instead (no suppressed tokens), and the entropies, a metric, from chunks computed without gradient.
     """
     if liger and _nonempty(suppressed_token_ids) is not None:
         raise ValueError("Liger's fused kernel cannot leave suppressed tokens out of the softmax; use liger=False.")
@@ -375,7 +426,15 @@ def _head_logps_of_positions(
                 )
         return flat_logps, flat_entropy
     return _head_in_chunks(
-        head, hidden_rows, token_rows, temperature, suppressed_token_ids, chunk_size, with_entropy, entropy_grad
+        head,
+        hidden_rows,
+        token_rows,
+        temperature,
+        suppressed_token_ids,
+        chunk_size,
+        with_entropy,
+        entropy_grad,
+        head_kernel,
     )
 
 
@@ -397,6 +456,7 @@ def completion_logps(
     chunk_size: int | None = None,
     liger: bool = False,
     entropy_grad: bool = False,
+    head_kernel: str = "torch",
     router_aux_loss: bool = False,
     image_inputs: dict[str, torch.Tensor] | None = None,
     prompt_aligned: dict[str, torch.Tensor] | None = None,
@@ -412,8 +472,9 @@ def completion_logps(
 
     With ``chunk_size`` (for models where :func:`supports_chunked_head`), the ``(B, C, V)`` logits are never
     materialised: the output head runs on ``chunk_size`` completion positions at a time, padding positions are
-    skipped (their log-probs read 0), and the backward pass recomputes each chunk. Otherwise the model computes the
-    completion positions' logits in one piece. ``liger`` (with a ``chunk_size``, for a plain linear head and no
+    skipped (their log-probs read 0), and the backward pass recomputes each chunk; ``head_kernel="triton"`` computes
+    a plain linear head's chunks with Triton's kernels. Otherwise the model computes the completion positions' logits
+    in one piece. ``liger`` (with a ``chunk_size``, for a plain linear head and no
     suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel. The entropies carry a
     gradient only with ``entropy_grad`` (an entropy bonus in the loss); otherwise they are a metric. With
     ``router_aux_loss`` (mixture-of-experts models) the forward pass also computes the router's load-balancing loss,
@@ -443,7 +504,17 @@ def completion_logps(
     else:
         kept_mask = completion_attention_mask[:, :kept_columns].bool()
         logps, entropies, aux_loss = _logps_from_hidden_states(
-            model, inputs, kept_ids, kept_mask, temperature, suppressed, chunk_size, with_entropy, liger, entropy_grad
+            model,
+            inputs,
+            kept_ids,
+            kept_mask,
+            temperature,
+            suppressed,
+            chunk_size,
+            with_entropy,
+            liger,
+            entropy_grad,
+            head_kernel,
         )
     # Put back the cut right-hand columns (they are masked everywhere) so shapes match the completion tensors.
     pad = completion_ids.size(1) - kept_columns
@@ -514,6 +585,7 @@ def _logps_from_hidden_states(
     with_entropy: bool,
     liger: bool,
     entropy_grad: bool,
+    head_kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs, entropies (or None) and router loss (or None), the output head running on ``chunk_size`` of the
     final hidden states' completion positions at a time (:func:`_chunked_head_logps`)."""
@@ -532,6 +604,7 @@ def _logps_from_hidden_states(
         with_entropy,
         liger=liger,
         entropy_grad=entropy_grad,
+        head_kernel=head_kernel,
     )
     return logps, entropies if with_entropy else None, getattr(outputs, "aux_loss", None)
 
@@ -549,6 +622,7 @@ def packed_completion_logps(
     liger: bool = False,
     entropy_grad: bool = False,
     router_aux_loss: bool = False,
+    head_kernel: str = "torch",
 ) -> tuple[torch.Tensor, ...]:
     """:func:`completion_logps` of the rows packed into one (:func:`~targetpo.modeling.packing.pack_rows`): the same
     log-probs, entropies and router loss, with no padding in the forward pass and the output head run only where a
@@ -584,6 +658,7 @@ def packed_completion_logps(
             with_entropy,
             liger,
             entropy_grad,
+            head_kernel,
         )
     logps = _scattered(flat_logps, packed.completion_mask)
     entropies = _scattered(flat_entropy, packed.completion_mask) if with_entropy else None
