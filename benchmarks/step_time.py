@@ -4,8 +4,10 @@ Three trainers train the same tiny model (same config and initial weights) with 
 batch, K, completion length, sampling, learning rate and seed, with `model.generate` rollouts on the CPU: targetpo
 as configured by default, targetpo with `skip_zero_gradient_completions=False` (what skipping saves), and TRL. The
 runs alternate (targetpo, targetpo without skipping, TRL, ...) so drifts in machine speed hit all three; each
-optimiser step is timed by a callback (rollout, rewards, forward and backward, optimiser), the first steps of every
-run are dropped as warm-up, and the median over the rest is reported with the ratios to TRL. TRL is a benchmark-only dependency:
+optimiser step is timed by a callback from the end of the step before to its own end (reading its batches, rollout,
+rewards, forward and backward, optimiser, logging), the first steps of every run are dropped as warm-up, and the
+median and the mean over the rest are reported with their ratios to TRL. With ``num_iterations > 1`` the median is a
+step without a rollout; the mean counts every step of the rollout cycle. TRL is a benchmark-only dependency:
 `pip install -e ".[bench]"`.
 
     python benchmarks/step_time.py --rounds 5 --output docs/benchmarks/step_time.json
@@ -69,11 +71,13 @@ QWEN2_SETTINGS = (
 
 
 class StepTimer(TrainerCallback):
-    """Wall-clock seconds of every optimiser step (on a GPU, after the queued kernels have finished)."""
+    """Wall-clock seconds of every optimiser step, from the end of the step before (or the start of training) to its
+    own end: everything the run spends on the step, reading its batches from the dataloader and logging included (on
+    a GPU, after the queued kernels have finished)."""
 
     def __init__(self, synchronize: bool = False):
         self.seconds: list[float] = []
-        self._start = 0.0
+        self._last = 0.0
         self._synchronize = synchronize
 
     def _now(self) -> float:
@@ -81,11 +85,13 @@ class StepTimer(TrainerCallback):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = self._now()
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = self._now()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(self._now() - self._start)
+        now = self._now()
+        self.seconds.append(now - self._last)
+        self._last = now
 
 
 def parse_args() -> argparse.Namespace:
@@ -328,15 +334,20 @@ def compare(args: argparse.Namespace, task: Task, runs: dict, old_checkout_path:
                         entry["completions/skipped_fraction"] for entry in logs if "completions/skipped_fraction" in entry
                     ]
         medians = {name: statistics.median(values) for name, values in seconds.items()}
+        # With num_iterations > 1 the median is a step without a rollout; the mean counts every step of the cycle.
+        means = {name: statistics.fmean(values) for name, values in seconds.items()}
         result = {"num_iterations": num_iterations}
         for name in args.trainers:
             result[f"{name}_median_s"] = round(medians[name], 4)
+            result[f"{name}_mean_s"] = round(means[name], 4)
         if "trl" in medians:
             for name in args.trainers:
                 if name != "trl":
                     result[f"{name}_over_trl"] = round(medians[name] / medians["trl"], 3)
+                    result[f"{name}_mean_over_trl"] = round(means[name] / means["trl"], 3)
         if BEFORE in medians and "targetpo" in medians:  # what the change between the two commits costs or saves
             result["targetpo_over_targetpo_before"] = round(medians["targetpo"] / medians[BEFORE], 3)
+            result["targetpo_mean_over_targetpo_before"] = round(means["targetpo"] / means[BEFORE], 3)
         if skipped_fractions:
             result["targetpo_skipped_fraction"] = round(statistics.mean(skipped_fractions), 3)
         result["steps_timed_each"] = len(seconds[args.trainers[0]])

@@ -200,9 +200,21 @@ def render_prompts(
     return texts
 
 
-def identity_collator(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+class RawRows(list):
+    """A batch of raw dataset rows, handed to the trainer as they are: tokenisation happens at rollout time.
+
+    Its ``to`` keeps it as it is. accelerate's dataloader moves each batch to the device by walking every value of
+    every row (about a millisecond for a batch of 128 prompt rows, every micro-step), though rollouts build their
+    tensors on the device themselves.
+    """
+
+    def to(self, *args: Any, **kwargs: Any) -> RawRows:
+        return self
+
+
+def identity_collator(rows: list[dict[str, Any]]) -> RawRows:
     """Hand the raw rows to the trainer: tokenisation happens at rollout time."""
-    return rows
+    return RawRows(rows)
 
 
 #: Key under which a training row carries which use of its rollout the dataloader fetched it for.
@@ -229,12 +241,27 @@ class RolloutRows(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, ...]) -> dict[str, Any]:
-        index, use, *upcoming = key
-        row = _tagged(self.dataset[index], use)
-        if upcoming:
-            row[ROW_INDEX] = index
-            row[UPCOMING_ROW] = {**self.dataset[upcoming[0]], ROW_INDEX: upcoming[0]} if upcoming[0] >= 0 else None
-        return row
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, ...]]) -> list[dict[str, Any]]:
+        """The rows of a batch of keys, read from the dataset in one go: every micro-step reads its rollout's rows
+        (a Dataset reads a batch of rows in about the time of one). Each row is a fresh copy, as a read of one is:
+        a rollout's repeats of a prompt share nothing that one sample's rollout could change for another."""
+        upcoming = [key[2] for key in keys if len(key) > 2 and key[2] >= 0]
+        read = iter(_read_rows(self.dataset, [key[0] for key in keys] + upcoming))
+        rows = [_tagged(next(read), key[1]) for key in keys]
+        for row, key in zip(rows, keys):
+            if len(key) > 2:
+                row[ROW_INDEX] = key[0]
+                row[UPCOMING_ROW] = {**next(read), ROW_INDEX: key[2]} if key[2] >= 0 else None
+        return rows
+
+
+def _read_rows(dataset: Any, indices: list[int]) -> list[dict[str, Any]]:
+    """``dataset``'s rows at ``indices``: in one read where the dataset reads batches (``__getitems__``)."""
+    if hasattr(dataset, "__getitems__"):
+        return dataset.__getitems__(indices)
+    return [dataset[index] for index in indices]
 
 
 def is_stream(dataset: Any) -> bool:
