@@ -26,6 +26,13 @@ timed after ``torch.cuda.synchronize()``, and the peak GPU memory of each traine
 
     python benchmarks/step_time.py --device cuda --dtype bfloat16 --model qwen2 --trainers targetpo trl \
         --num_iterations 1 4 --steps 12 --warmup 4 --rounds 2 --output docs/benchmarks/step_time_h100.json
+
+Groups larger than a micro-batch: K = 16 completions of 4,096 tokens in micro-batches of 2, spread over the 8
+micro-steps of one optimiser step (``--batch_size 16 --steps_per_generation 1`` holds the whole group at once):
+
+    python benchmarks/step_time.py --device cuda --dtype bfloat16 --model qwen2 --trainers targetpo trl \
+        --num_generations 16 --batch_size 2 --steps_per_generation 8 --gradient_accumulation_steps 8 \
+        --completion_length 4096 --num_iterations 1 --steps 4 --warmup 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -102,6 +109,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="Alternations of the two trainers.")
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--steps_per_generation", type=int, default=1,
+                        help="Micro-steps per rollout; with --gradient_accumulation_steps as large, a group may be "
+                        "spread over the micro-steps of one optimiser step (micro-batches smaller than a group).")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--reverse_length", type=int, default=6)
     parser.add_argument("--trainers", nargs="+", choices=(*TRAINERS, BEFORE), default=list(TRAINERS))
     parser.add_argument("--before", default=None, metavar="COMMIT",
@@ -207,7 +218,8 @@ def shared_settings(args: argparse.Namespace, task: Task, num_iterations: int, o
         max_completion_length=task.completion_length,
         num_iterations=num_iterations,
         # Each rollout feeds num_iterations optimiser steps, so old log-probs are needed (and computed) by both.
-        steps_per_generation=1,
+        steps_per_generation=args.steps_per_generation,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=5e-4,
         lr_scheduler_type="constant",
         max_steps=args.steps,
