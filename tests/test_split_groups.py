@@ -45,8 +45,10 @@ def assert_steps_move_the_weights(weights, initial_like):
         # Length sums, another target temperature and invalid (truncated) members.
         dict(max_steps=2, num_iterations=2, tpo_length_normalize_logps=False, tpo_target_temperature=0.5,
              mask_truncated_completions=True),
+        # Every pass packed, the one for p included.
+        dict(max_steps=4, num_iterations=2, padding_free=True),
     ],
-    ids=["one-step-per-rollout", "two-epochs", "sums-and-invalid-members"],
+    ids=["one-step-per-rollout", "two-epochs", "sums-and-invalid-members", "packed"],
 )
 def test_a_group_spread_over_four_micro_steps_trains_as_the_whole_group(tmp_path, settings):
     whole = train(str(tmp_path / "whole"), **WHOLE, **settings)
