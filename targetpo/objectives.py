@@ -103,8 +103,8 @@ class TargetObjective(Objective):
         self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
     ) -> torch.Tensor | None:
         """q from the old log-probs, when the rollout has them (the weights move before it is trained on)."""
-        if batch.old_per_token_logps is None:
-            return None  # every use is in the rollout's optimiser step: the first one builds q
+        if batch.old_per_token_logps is None or batch.old_logps_from_first_use is not None:
+            return None  # the first use builds q: from its own log-probs, or once it has completed the old ones
         args = self.args
         old = F.sequence_logps(batch.old_per_token_logps, batch.completion_mask, args.tpo_length_normalize_logps)
         targets_all = F.tpo_targets(
@@ -143,7 +143,12 @@ class TargetObjective(Objective):
         sequence_logps_all = all_gather_with_grad(sequence_logps) if span else sequence_logps
         valid_all = gather(valid)
         built = None
-        if batch.cache.targets is None:
+        if batch.cache.targets is None and batch.old_per_token_logps is not None:
+            # The first use, with the rollout's log-probs completed: q of every row, for the later uses too.
+            gather_all = self.accelerator.gather
+            built = self.targets_at_rollout(batch, gather_all(batch.advantages), gather_all(batch.valid))
+            targets_all = gather(built)
+        elif batch.cache.targets is None:
             targets_all = F.tpo_targets(
                 sequence_logps_all.detach(),
                 gather(batch.advantages),

@@ -175,11 +175,13 @@ class PolicyLogps:
             )
         return problem is None
 
-    def batched(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """Log-probs of a whole rollout, a training micro-batch at a time."""
+    def batched(self, model: nn.Module, batch: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probs of a whole rollout, a training micro-batch at a time; with ``rows`` (bool), of those rows only
+        (the others read 0)."""
         parts = []
         for start in range(0, len(batch), self.rows_per_pass):
-            parts.append(self(model, batch.rows(slice(start, start + self.rows_per_pass))).per_token)
+            part = slice(start, start + self.rows_per_pass)
+            parts.append(self(model, batch.rows(part), rows=None if rows is None else rows[part]).per_token)
         return torch.cat(parts)
 
     def of_reference(

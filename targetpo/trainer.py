@@ -266,6 +266,14 @@ class TargetPOTrainer(Trainer):
         self._layout = BatchLayout.from_config(args, self.accelerator.num_processes)
         self._groups_split = args.loss_type == "tpo" and self._layout.splits_groups
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0 or self._groups_split
+        # Where every step batch is first used at the rollout's weights, that use computes the old log-probs of the
+        # rows it trains anyway: the rollout records only the others.
+        self._old_logps_at_first_use = (
+            self._needs_old_logps
+            and not self._groups_split
+            and self._generate_every % args.gradient_accumulation_steps == 0
+            and args.steps_per_generation <= args.gradient_accumulation_steps
+        )
         self._lookahead_use = None
         if args.async_rollouts:
             self._lookahead_use = lookahead_use(
@@ -501,10 +509,25 @@ class TargetPOTrainer(Trainer):
             what = "computing the old and reference log-probs"
             with self._failures_reach_every_process(what, local=not self._sharded):
                 if needs_old_logps:
-                    batch.old_per_token_logps = self._logps.batched(self.model, batch)
+                    self._record_old_logps(batch)
                 if args.beta > 0:
                     unwrap = self.accelerator.unwrap_model
                     batch.ref_per_token_logps = self._logps.of_reference(batch, self.ref_model, self.model, unwrap)
+
+    def _record_old_logps(self, batch: RolloutBatch) -> None:
+        """The policy's log-probs at rollout time, of the rows no step batch's first use computes (all of them, unless
+        each step batch is first used at the rollout's weights)."""
+        if not self._old_logps_at_first_use:
+            batch.old_per_token_logps = self._logps.batched(self.model, batch)
+            return
+        first_use = batch.rows_with_gradient_at_rollout
+        first_use = torch.ones_like(batch.valid) if first_use is None else first_use
+        batch.old_logps_from_first_use = first_use
+        batch.rollout_step = self.state.global_step
+        rest = batch.valid & ~first_use
+        # A sharded model's forward is a collective: every process passes through it, with rows or not.
+        if bool(rest.any()) or self._sharded:
+            batch.old_per_token_logps = self._logps.batched(self.model, batch, rows=rest)
 
     def _targets_at_rollout(
         self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str
@@ -591,13 +614,15 @@ class TargetPOTrainer(Trainer):
         mask = inputs.completion_mask if rows is None else inputs.completion_mask * rows.unsqueeze(-1)
         valid = inputs.valid if rows is None else inputs.valid & rows
         logps = self._policy_logps(model, inputs, rows, mask)
+        if mode == "train" and inputs.old_logps_from_first_use is not None:
+            self._fill_old_logps(inputs, logps.per_token)
         importance_sampling = mode == "train" and self._importance_sampling
         terms = self._loss(logps, inputs, mask, valid, mode, importance_sampling)
         # `inputs` is the rollout buffer's own step batch: what this use built serves its later uses (num_iterations).
         inputs.cache = inputs.cache.updated(terms.built())
         record_loss_metrics(self._metrics, mode, terms, logps.entropies, mask, rows)
-        if terms.objective.targets is not None:
-            self._record_targets(inputs, mode, valid)
+        if terms.objective.targets is not None:  # built over the rows of this pass, or all of them from old log-probs
+            self._record_targets(inputs, mode, None if inputs.old_per_token_logps is not None else valid)
         self._require_finite_loss(terms.loss)
         return terms.loss
 
@@ -621,6 +646,16 @@ class TargetPOTrainer(Trainer):
                 logps = forward()
             self._require_finite_logps(logps.per_token, mask)
         return logps
+
+    def _fill_old_logps(self, batch: RolloutBatch, per_token_logps: torch.Tensor) -> None:
+        """At a step batch's first use, at the rollout's weights: the old log-probs of the rows it trains are its own."""
+        if self.state.global_step != batch.rollout_step:
+            raise RuntimeError("A step batch first used after the weights moved has no old log-probs for its rows.")
+        current = per_token_logps.detach()
+        first_use = batch.old_logps_from_first_use.unsqueeze(-1)
+        old = batch.old_per_token_logps
+        batch.old_per_token_logps = current if old is None else torch.where(first_use, current, old)
+        batch.old_logps_from_first_use = None
 
     def _require_finite_logps(self, per_token_logps: torch.Tensor, mask: torch.Tensor) -> None:
         """A FloatingPointError when a token log-prob the loss uses is NaN or infinite (the model overflowed)."""

@@ -72,8 +72,11 @@ class WeightsAfterEachStep(TrainerCallback):
         self.weights.append({name: value.detach().clone() for name, value in model.state_dict().items()})
 
 
-def train(out_dir: str, reward: str = "letter_score", process_index: int = 0, **settings) -> TargetPOTrainer:
-    """A plain-SGD run on the fixed completions; the weights after each optimiser step are in ``trainer.recorded``."""
+def train(
+    out_dir: str, reward: str = "letter_score", process_index: int = 0, on_trainer=None, **settings
+) -> TargetPOTrainer:
+    """A plain-SGD run on the fixed completions; the weights after each optimiser step are in ``trainer.recorded``.
+    ``on_trainer(trainer)`` runs before training."""
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
     args = TargetPOConfig(
@@ -87,6 +90,8 @@ def train(out_dir: str, reward: str = "letter_score", process_index: int = 0, **
         processing_class=tokenizer, callbacks=[recorder],
     )
     trainer.rollout_backend = FixedCompletions(tokenizer, process_index)
+    if on_trainer is not None:
+        on_trainer(trainer)
     trainer.train()
     trainer.recorded = recorder.weights
     return trainer

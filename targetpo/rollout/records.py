@@ -58,7 +58,8 @@ class RolloutBatch:
     prompt_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
     completion_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per-token log-probs of the completions: the sampler's (vLLM), the policy's at rollout time (when the weights
-    # move before the rollout is trained on), the reference model's (beta > 0).
+    # move before the rollout is trained on; the rows a step batch's first use trains at the rollout's weights are
+    # filled in by that use), the reference model's (beta > 0).
     sampler_per_token_logps: torch.Tensor | None = None
     old_per_token_logps: torch.Tensor | None = None
     ref_per_token_logps: torch.Tensor | None = None
@@ -69,6 +70,9 @@ class RolloutBatch:
     rollout_step: int | None = None
     rows_with_gradient_at_rollout: torch.Tensor | None = None
     rows_with_gradient: torch.Tensor | None = None
+    # The rows whose old log-probs the step batch's first use fills in (it runs at the rollout's weights and computes
+    # them anyway); None once filled, or where the rollout recorded them all.
+    old_logps_from_first_use: torch.Tensor | None = None
     # Groups split over micro-steps (TPO): each row's log of its group's softmax p at the weights of optimiser step
     # ``group_log_probs_step`` (``split_groups.py``).
     group_log_probs: torch.Tensor | None = None
