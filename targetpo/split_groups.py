@@ -83,7 +83,6 @@ class SplitGroups:
         """The step batch's sequence log-probs, and which rows count in their group's softmax: the valid rows whose
         gradient can be non-zero at moved weights (the rest, whole groups or invalid rows, are skipped)."""
         rows = batch.rows_with_gradient
-        valid = batch.valid if rows is None else batch.valid & rows
-        mask = batch.completion_mask if rows is None else batch.completion_mask * rows.unsqueeze(-1)
+        mask, valid = batch.masks_without(rows)
         per_token = self.logps(model, batch, rows=rows).per_token
         return F.sequence_logps(per_token, mask, self.length_normalize), valid

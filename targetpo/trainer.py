@@ -496,10 +496,11 @@ class TargetPOTrainer(Trainer):
         old and reference log-probs."""
         args = self.args
         batch.loss_token_count = self._objective.rollout_token_count(batch.completion_mask, mode)
+        if mode == "train":
+            batch.rollout_step = self.state.global_step
         if mode == "train" and args.skip_zero_gradient_completions and self._loss.reaches_only_rows_with_gradient:
             # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
             # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
-            batch.rollout_step = self.state.global_step
             local = self._local_slice(len(batch))
             with_gradient = self._objective.rows_with_gradient
             batch.rows_with_gradient = with_gradient(advantages_all, valid_all, policy_is_old=False)[local]
@@ -523,7 +524,6 @@ class TargetPOTrainer(Trainer):
         first_use = batch.rows_with_gradient_at_rollout
         first_use = torch.ones_like(batch.valid) if first_use is None else first_use
         batch.old_logps_from_first_use = first_use
-        batch.rollout_step = self.state.global_step
         rest = batch.valid & ~first_use
         # A sharded model's forward is a collective: every process passes through it, with rows or not.
         if bool(rest.any()) or self._sharded:
@@ -609,10 +609,7 @@ class TargetPOTrainer(Trainer):
             inputs = RolloutBatch.from_mapping(inputs)
         mode = "train" if model.training else "eval"
         rows = self._rows_to_train(inputs, mode)
-        # Rows left out count as invalid, all-masked members: each loss then gives them exactly 0 while keeping them
-        # (and their groups) in its averages, which is what their zero gradient contributes.
-        mask = inputs.completion_mask if rows is None else inputs.completion_mask * rows.unsqueeze(-1)
-        valid = inputs.valid if rows is None else inputs.valid & rows
+        mask, valid = inputs.masks_without(rows)
         logps = self._policy_logps(model, inputs, rows, mask)
         if mode == "train" and inputs.old_logps_from_first_use is not None:
             self._fill_old_logps(inputs, logps.per_token)

@@ -65,9 +65,10 @@ class RolloutBatch:
     ref_per_token_logps: torch.Tensor | None = None
     # The token-normalised losses' divisor: one optimiser step's tokens over every process, per micro-step share.
     loss_token_count: float | None = None
-    # skip_zero_gradient_completions: the rows whose gradient can be non-zero, while the weights are still the
-    # rollout's (the optimiser step ``rollout_step``) and afterwards.
+    # The optimiser step the rollout was made at (training): its weights are the rollout's until the next step.
     rollout_step: int | None = None
+    # skip_zero_gradient_completions: the rows whose gradient can be non-zero, while the weights are still the
+    # rollout's and afterwards.
     rows_with_gradient_at_rollout: torch.Tensor | None = None
     rows_with_gradient: torch.Tensor | None = None
     # The rows whose old log-probs the step batch's first use fills in (it runs at the rollout's weights and computes
@@ -95,6 +96,14 @@ class RolloutBatch:
                 value = value.rows(index)
             cut[spec.name] = value
         return RolloutBatch(**cut)
+
+    def masks_without(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The completion mask and validity with only ``rows`` (bool; None: every row) kept. Rows left out count as
+        invalid, all-masked members: each loss then gives them exactly 0 while keeping them (and their groups) in its
+        averages, which is what their zero gradient contributes."""
+        if rows is None:
+            return self.completion_mask, self.valid
+        return self.completion_mask * rows.unsqueeze(-1), self.valid & rows
 
     def step_batches(self, rows_per_step: int) -> list[RolloutBatch]:
         """Cut into step batches of ``rows_per_step`` rows, each with its own cache."""
