@@ -13,6 +13,10 @@ so drifts in machine speed hit all of them; the first round is dropped as warm-u
 reported with the ratios to the padded pass and to TRL, and the largest difference of each variant's log-probs from
 the padded pass's. TRL is a benchmark-only dependency: ``pip install -e ".[bench]"`` (without it that row is skipped).
 
+``padded_budget`` and ``packed_budget`` train the same rows in passes of at most ``--max_tokens`` tokens, as
+``max_tokens_per_micro_batch`` cuts a micro-step (``token_budget.plan_passes``: padded passes take rows longest first),
+each pass back-propagated before the next; their peak memory is the largest pass's, reported on a GPU.
+
     python benchmarks/packed_pass.py --spread uniform --output docs/benchmarks/packed_pass_uniform.json
     python benchmarks/packed_pass.py --spread long_tail --output docs/benchmarks/packed_pass_long_tail.json
 
@@ -48,7 +52,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-VARIANTS = ("padded", "packed", "trl")
+VARIANTS = ("padded", "packed", "trl", "padded_budget", "packed_budget")
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,6 +81,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="The model's weights.")
     parser.add_argument("--rounds", type=int, default=6, help="Alternations of the variants (the first is warm-up).")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--max_tokens", type=int, default=None,
+        help="The budget variants' max_tokens_per_micro_batch (default: two longest sequences).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None)
     return parser.parse_args()
@@ -184,20 +192,51 @@ def targetpo_passes(args: argparse.Namespace) -> dict:
     def packed(model, *rows):
         return packed_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size)
 
-    return {"padded": padded, "packed": packed}
+    budget = args.max_tokens or 2 * (args.prompt_length + args.completion_length)
+    return {
+        "padded": padded,
+        "packed": packed,
+        "padded_budget": in_passes(padded, budget, packed=False),
+        "packed_budget": in_passes(packed, budget, packed=True),
+    }
 
 
-def timed(run, model, rows, synchronize: bool) -> tuple[float, torch.Tensor]:
-    """Seconds of one forward + backward of the masked log-probs' sum, and the log-probs."""
+def in_passes(run, budget: int, packed: bool):
+    """``run`` over the rows in passes of at most ``budget`` tokens, each back-propagated at once; the log-probs of
+    every row, detached (``timed`` then runs no backward of its own)."""
+    from targetpo.token_budget import plan_passes
+
+    def passes(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        prompt_lengths, completion_lengths = prompt_mask.sum(-1).tolist(), completion_mask.sum(-1).tolist()
+        plan = plan_passes(prompt_lengths, completion_lengths, range(len(prompt_lengths)), budget, packed)
+        logps = torch.zeros(completion_ids.shape, device=completion_ids.device)
+        for members in plan:
+            index = torch.tensor(members, device=completion_ids.device)
+            rows = [tensor[index] for tensor in (prompt_ids, prompt_mask, completion_ids, completion_mask)]
+            part, _ = run(model, *rows)
+            (part * rows[3]).sum().backward()
+            logps[index] = part.detach().float()
+        return logps, None
+
+    return passes
+
+
+def timed(run, model, rows, synchronize: bool) -> tuple[float, torch.Tensor, float | None]:
+    """Seconds of one forward + backward of the masked log-probs' sum, the log-probs, and on a GPU the peak memory
+    allocated meanwhile (MiB)."""
     model.zero_grad(set_to_none=True)
     if synchronize:
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     logps, _ = run(model, *rows)
-    (logps * rows[3]).sum().backward()
+    if logps.requires_grad:  # the budget variants back-propagate each pass themselves
+        (logps * rows[3]).sum().backward()
+    peak = None
     if synchronize:
         torch.cuda.synchronize()
-    return time.perf_counter() - start, logps.detach().float()
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    return time.perf_counter() - start, logps.detach().float(), peak
 
 
 def main() -> None:
@@ -219,12 +258,13 @@ def main() -> None:
         raise SystemExit(f"This model cannot be packed: {problem}.")
     mask = rows[3].bool()
     seconds = {name: [] for name in runs}
+    peaks = {}
     difference = {}
     reference = None
     for round_index in range(args.rounds):
         timings = []
         for name, run in runs.items():
-            elapsed, logps = timed(run, model, rows, args.device == "cuda")
+            elapsed, logps, peaks[name] = timed(run, model, rows, args.device == "cuda")
             timings.append(f"{name} {1000 * elapsed:.1f} ms")
             if round_index > 0 or args.rounds == 1:
                 seconds[name].append(elapsed)
@@ -243,6 +283,8 @@ def main() -> None:
             result["ratio_to_trl"] = round(median / medians["trl"], 3)
         if name in difference:
             result["max_abs_logp_difference_to_padded"] = difference[name]
+        if peaks.get(name) is not None:
+            result["peak_memory_mib"] = round(peaks[name], 1)
         results.append(result)
     read_tokens = sum(prompt_lengths) + sum(completion_lengths)
     padded_tokens = len(prompt_lengths) * (max(prompt_lengths) + max(completion_lengths))

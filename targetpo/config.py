@@ -346,6 +346,21 @@ class GRPOConfig(TrainingArguments):
             "attention; sdpa and eager attention build the packed row's whole attention mask."
         },
     )
+    max_tokens_per_micro_batch: Annotated[int | None, Range(at_least=1, why="None: one pass per micro-step")] = field(
+        default=None,
+        metadata={
+            "help": "Train each micro-step's rows (per_device_train_batch_size of them) in forward and backward "
+            "passes of at most this many tokens (prompt and completion tokens, packed with padding_free, else the "
+            "rows times the longest prompt plus the longest completion), whose gradients add up to the micro-step's: "
+            "a large per_device_train_batch_size with long completions of mixed lengths then fits in memory without "
+            "padding every pass to the longest. The passes without gradient (old, reference log-probs) are cut the "
+            "same way. Must hold one sequence of max_prompt_length + max_completion_length tokens. TPO keeps each "
+            "prompt group in one pass when num_generations such sequences fit, and otherwise trains its groups "
+            "across passes from their softmax computed ahead (one more pass without gradient per rollout, and per "
+            "optimiser step once the weights moved). Not with DeepSpeed, FSDP or top_entropy_quantile < 1, nor "
+            "with the entropy bonus and off_policy_mask_threshold together. None: one pass per micro-step."
+        },
+    )
     logps_head_kernel: str = field(
         default="torch",
         metadata={
@@ -761,6 +776,28 @@ class GRPOConfig(TrainingArguments):
                 f"logps_head_kernel={self.logps_head_kernel!r} with another one: choose one (logps_head_kernel='torch' "
                 "with Liger)."
             )
+        if self.max_tokens_per_micro_batch is not None:
+            # Both need all of a micro-step's tokens at once, which its passes see one part at a time.
+            bonus = self.entropy_coef != 0 or self.use_adaptive_entropy
+            if self.top_entropy_quantile < 1:
+                raise ValueError(
+                    f"max_tokens_per_micro_batch trains a micro-step in several passes, and top_entropy_quantile="
+                    f"{self.top_entropy_quantile} ranks each token's entropy against all of the micro-step's tokens at "
+                    "once. Unset one of them."
+                )
+            if getattr(self.optim, "value", self.optim) in ("lomo", "adalomo"):
+                raise ValueError(
+                    f"max_tokens_per_micro_batch runs several backward passes per micro-step, and optim={getattr(self.optim, 'value', self.optim)} "
+                    "updates the weights inside each backward pass. Choose another optimiser or unset "
+                    "max_tokens_per_micro_batch."
+                )
+            if bonus and self.off_policy_mask_threshold is not None:
+                raise ValueError(
+                    "max_tokens_per_micro_batch trains a micro-step in several passes, and the entropy bonus divides "
+                    "by the micro-step's trained tokens, which off_policy_mask_threshold decides pass by pass. Unset "
+                    "one of max_tokens_per_micro_batch, the entropy bonus (entropy_coef, use_adaptive_entropy) or "
+                    "off_policy_mask_threshold."
+                )
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."

@@ -139,12 +139,22 @@ def shards_parameters(accelerator: Any) -> bool:
     return _deepspeed_zero_stage(accelerator) == 3 or _uses_fsdp(accelerator)
 
 
-def check_engine_supported(accelerator: Any) -> None:
-    """Refuse engines whose sharded weights rollouts cannot use, before any work is done."""
+def check_engine_supported(accelerator: Any, passes_per_micro_step: bool = False) -> None:
+    """Refuse engines whose sharded weights rollouts cannot use, before any work is done; with
+    ``passes_per_micro_step`` (``max_tokens_per_micro_batch``), engines not set up for several backward passes in one
+    micro-step."""
     if _uses_fsdp(accelerator) and not accelerator.is_fsdp2:
         raise ValueError(
             "FSDP version 1 is not supported: its flat-sharded parameters cannot be used by `generate`. Set "
             "`fsdp_version: 2` in the accelerate config (see accelerate_configs/fsdp2.yaml)."
+        )
+    if passes_per_micro_step and (_uses_deepspeed(accelerator) or _uses_fsdp(accelerator)):
+        engine = "DeepSpeed" if _uses_deepspeed(accelerator) else "FSDP2"
+        raise ValueError(
+            f"max_tokens_per_micro_batch is not supported with {engine} yet: it runs several backward passes in one "
+            "micro-step, and DeepSpeed's engine steps the optimiser at the backward of an accumulation boundary "
+            "while FSDP2's gradient reduction is not checked for it here. Unset max_tokens_per_micro_batch (bound "
+            "memory with per_device_train_batch_size instead), or train with DDP."
         )
 
 

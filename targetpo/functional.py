@@ -377,18 +377,21 @@ def token_kl(
     ref_per_token_logps: torch.Tensor,
     completion_mask: torch.Tensor,
     importance_ratios: torch.Tensor | None = None,
+    token_count: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The non-negative KL estimate ``exp(r) - r - 1``, ``r = logp_ref - logp``, averaged over completion tokens.
 
     With ``importance_ratios`` (``p / p_old`` per token or per sequence) each token's estimate is multiplied by its
     ratio: the estimate is then unbiased for the current policy although the tokens were sampled from the old one.
+    ``token_count`` divides the sum instead of the mask's count (a pass's part of a larger batch's mean).
     """
     mask = completion_mask.bool()
     log_ratio = _masked_log_ratio(ref_per_token_logps, per_token_logps, mask)
     per_token = torch.exp(log_ratio) - log_ratio - 1
     if importance_ratios is not None:
         per_token = torch.where(mask, per_token * importance_ratios, torch.zeros_like(per_token))
-    return per_token.sum() / mask.sum().clamp(min=1)
+    count = mask.sum().clamp(min=1) if token_count is None else token_count
+    return per_token.sum() / count
 
 
 def high_entropy_mask(

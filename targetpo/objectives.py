@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -21,6 +21,7 @@ from .distributed import all_gather_with_grad, groups_span_processes
 from .policy_logps import TokenLogps
 from .regularisers import BuiltImportanceWeights, EntropyBonus, ImportanceWeights, KLPenalty, TokenFilter
 from .rollout.records import RolloutBatch, StepCache
+from .token_budget import joined_by_rows
 
 
 class ObjectiveResult(NamedTuple):
@@ -298,6 +299,45 @@ class LossTerms(NamedTuple):
         weights = None if self.importance_weights is None else self.importance_weights.weights
         return StepCache(targets=self.objective.targets, importance_weights=weights)
 
+    @classmethod
+    def joined(cls, parts: Sequence[LossTerms], passes: Sequence[torch.Tensor]) -> LossTerms:
+        """One micro-step's terms from those of its passes (``passes``: each one's rows, bool), detached: the loss,
+        the KL and the router loss add up (each pass's is its part of the micro-step's); what a pass built or
+        measured per row or token is taken from the rows it trained."""
+
+        def by_rows(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+            return joined_by_rows(values, passes)
+
+        def summed(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+            present = [value.detach() for value in values if value is not None]
+            return torch.stack(present).sum(dim=0) if present else None
+
+        objectives = [part.objective for part in parts]
+        first = objectives[0]
+        objective = ObjectiveResult(
+            summed([result.loss for result in objectives]),
+            by_rows([result.targets for result in objectives]),
+            {name: by_rows([result.token_means[name] for result in objectives]) for name in first.token_means},
+            {
+                name: (by_rows([result.sequence_extremes[name][0] for result in objectives]), extreme)
+                for name, (_, extreme) in first.sequence_extremes.items()
+            },
+        )
+        weights = [part.importance_weights for part in parts]
+        importance_weights = None
+        if any(built is not None for built in weights):
+            importance_weights = BuiltImportanceWeights(
+                *(by_rows([None if built is None else built[index] for built in weights]) for index in range(5))
+            )
+        return cls(
+            summed([part.loss for part in parts]),
+            objective,
+            importance_weights,
+            summed([part.kl for part in parts]),
+            parts[0].entropy_coefficient,
+            summed([part.aux_loss for part in parts]),
+        )
+
 
 class TrainingLoss:
     """The objective and the regularisers a run switches on: the loss of one micro-step."""
@@ -329,8 +369,14 @@ class TrainingLoss:
         valid: torch.Tensor,
         mode: str,
         importance_sampling: bool,
+        micro_step_mask: torch.Tensor | None = None,
     ) -> LossTerms:
-        """The loss of the rows in ``mask``; ``importance_sampling``: reweight by the batch's sampler log-probs."""
+        """The loss of the rows in ``mask``; ``importance_sampling``: reweight by the batch's sampler log-probs.
+
+        ``micro_step_mask``: when ``mask`` is one pass of a micro-step trained in several (``max_tokens_per_micro_batch``),
+        the tokens of all of them; the terms that average over the micro-step's tokens divide by its count, so that
+        the passes' losses add up to the micro-step's.
+        """
         per_token_logps, entropies = logps.per_token, logps.entropies
         policy_logps, built_weights = per_token_logps, None
         if importance_sampling and "sampler_per_token_logps" in batch:
@@ -342,14 +388,19 @@ class TrainingLoss:
         trained_tokens = self.token_filter(per_token_logps, entropies, batch, mask)
         result = self.objective.loss(policy_logps, batch, mask, valid, mode, trained_tokens)
         loss, kl, coefficient = result.loss, None, None
+        micro_step_count = None if micro_step_mask is None else micro_step_mask.sum().clamp(min=1)
         if self.kl is not None:
-            kl = self.kl(per_token_logps, batch, mask)
+            kl = self.kl(per_token_logps, batch, mask, micro_step_count)
             loss = loss + self.kl.beta * kl
         if self.entropy_bonus is not None:
             tokens = mask if trained_tokens is None else mask * trained_tokens
-            count = self.objective.entropy_token_count(batch, tokens)
+            # Passes: no token filter is on together with the bonus (the config refuses it), so the count is known.
+            count = self.objective.entropy_token_count(batch, tokens if micro_step_mask is None else micro_step_mask)
             bonus, coefficient = self.entropy_bonus(entropies, tokens, count, mode)
             loss = loss - bonus
-        if logps.aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * logps.aux_loss
-        return LossTerms(loss, result, built_weights, kl, coefficient, logps.aux_loss)
+        aux_loss = logps.aux_loss
+        if aux_loss is not None:
+            if micro_step_mask is not None:  # each pass's router loss weighs by its share of the micro-step's tokens
+                aux_loss = aux_loss * mask.sum() / micro_step_count
+            loss = loss + self.router_aux_loss_coef * aux_loss
+        return LossTerms(loss, result, built_weights, kl, coefficient, aux_loss)

@@ -25,6 +25,7 @@ from .modeling.logps import (
 )
 from .modeling.packing import model_packing_problem, rows_packing_problem
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
+from .token_budget import joined_by_rows, pass_row_masks
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 
 #: The four tensors every batch of rows has, in ``completion_logps``'s order.
@@ -52,6 +53,7 @@ class PolicyLogps:
         rows_per_pass: int,
         padding_free: bool = False,
         head_kernel: str = "torch",
+        token_budget: int | None = None,
     ):
         self.temperature = temperature
         self.suppressed_token_ids = suppressed_token_ids  # tokens sampling never picks get no probability here either
@@ -61,6 +63,7 @@ class PolicyLogps:
         self.rows_per_pass = rows_per_pass
         self.padding_free = padding_free
         self.head_kernel = head_kernel
+        self.token_budget = token_budget  # max_tokens_per_micro_batch: the passes without gradient are cut by it too
         self._model_packing_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> str | None
         self._noted: set[tuple[str, str]] = set()  # the reasons a warning has given
 
@@ -78,6 +81,7 @@ class PolicyLogps:
         rows_per_pass: int,
         padding_free: bool = False,
         head_kernel: str = "torch",
+        token_budget: int | None = None,
     ) -> PolicyLogps:
         """The settings that fit ``model`` (as the trainer wraps it): chunks, Liger and the Triton head only where
         they are exact."""
@@ -92,7 +96,15 @@ class PolicyLogps:
         suppressed_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=device)
         use_position_ids = forward_accepts_position_ids(unwrapped)
         return cls(
-            temperature, suppressed_ids, use_position_ids, chunk_size, liger, rows_per_pass, padding_free, head_kernel
+            temperature,
+            suppressed_ids,
+            use_position_ids,
+            chunk_size,
+            liger,
+            rows_per_pass,
+            padding_free,
+            head_kernel,
+            token_budget,
         )
 
     def __call__(
@@ -152,6 +164,33 @@ class PolicyLogps:
             logps, entropies = (_scatter_rows(value, selected, batch) for value in (logps, entropies))
         return TokenLogps(logps, entropies, aux_loss)
 
+    def packs(self, model: nn.Module, batch: Mapping[str, Any]) -> bool:
+        """Whether ``batch``'s rows go through ``model`` packed (a pass's cost in tokens depends on it)."""
+        rows_tensors = [batch[key] for key in ROW_TENSORS]
+        return self._packs(model, rows_tensors, with_images=batch.get("pixel_inputs") is not None)
+
+    def token_passes(
+        self, model: nn.Module, batch: Any, rows: torch.Tensor | None, group_size: int | None = None, at_least: int = 1
+    ) -> list[torch.Tensor]:
+        """``rows`` of ``batch`` (bool; None: all) cut into passes of at most ``token_budget`` tokens, as row masks
+        (``token_budget.pass_row_masks``); with ``group_size`` a group's rows share a pass."""
+        packed = self.packs(model, batch)
+        prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_attention_mask"]
+        return pass_row_masks(prompt_mask, completion_mask, rows, self.token_budget, packed, group_size, at_least)
+
+    def by_passes(self, model: nn.Module, batch: Any, passes: list[torch.Tensor], **settings: Any) -> TokenLogps:
+        """:meth:`__call__` over each pass's rows (bool masks), put together and detached (for passes without
+        gradient): every row's values from its pass. A router's loss is each pass's weighted by its share of the
+        passes' completion tokens."""
+        completion_mask = batch.get("completion_mask", batch["completion_attention_mask"])
+        tokens = torch.stack([(completion_mask * rows.unsqueeze(-1)).sum() for rows in passes])
+        shares = tokens / tokens.sum().clamp(min=1)
+        parts = [self(model, batch, rows=rows, **settings) for rows in passes]
+        per_token, entropies = (joined_by_rows(values, passes) for values in zip(*(part[:2] for part in parts)))
+        aux_losses = [share * part.aux_loss for share, part in zip(shares, parts) if part.aux_loss is not None]
+        aux_loss = torch.stack(aux_losses).sum() if aux_losses else None
+        return TokenLogps(per_token, entropies, aux_loss)
+
     def _packs(self, model: nn.Module, rows_tensors: list[torch.Tensor], with_images: bool) -> bool:
         """Whether the rows go through ``model`` packed: with ``padding_free``, where it gives the padded pass's
         log-probs; where it would not, a warning says why, once for each reason."""
@@ -176,8 +215,10 @@ class PolicyLogps:
         return problem is None
 
     def batched(self, model: nn.Module, batch: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Log-probs of a whole rollout, a training micro-batch at a time; with ``rows`` (bool), of those rows only
-        (the others read 0)."""
+        """Log-probs of a whole rollout, a training micro-batch (or with ``token_budget``, a pass of at most that many
+        tokens) at a time; with ``rows`` (bool), of those rows only (the others read 0)."""
+        if self.token_budget is not None:
+            return self.by_passes(model, batch, self.token_passes(model, batch, rows)).per_token
         parts = []
         for start in range(0, len(batch), self.rows_per_pass):
             part = slice(start, start + self.rows_per_pass)

@@ -25,13 +25,19 @@ class KLPenalty:
         self.bias_correction = bias_correction
         self.ratio_level = ratio_level  # the objective's importance-ratio level (TPO's is per token)
 
-    def __call__(self, per_token_logps: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor) -> torch.Tensor:
-        """The mean token KL (before ``beta``)."""
+    def __call__(
+        self,
+        per_token_logps: torch.Tensor,
+        batch: RolloutBatch,
+        mask: torch.Tensor,
+        token_count: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The mean token KL (before ``beta``); ``token_count``: the tokens it is a mean over, if not ``mask``'s."""
         ratios = None
         if self.bias_correction:
             old = batch.get("old_per_token_logps", per_token_logps.detach())
             ratios = torch.exp(F.log_importance_ratios(per_token_logps, old, mask, self.ratio_level))
-        return F.token_kl(per_token_logps, batch["ref_per_token_logps"], mask, ratios)
+        return F.token_kl(per_token_logps, batch["ref_per_token_logps"], mask, ratios, token_count)
 
 
 class EntropyBonus:

@@ -84,5 +84,5 @@ class SplitGroups:
         gradient can be non-zero at moved weights (the rest, whole groups or invalid rows, are skipped)."""
         rows = batch.rows_with_gradient
         mask, valid = batch.masks_without(rows)
-        per_token = self.logps(model, batch, rows=rows).per_token
+        per_token = self.logps.batched(model, batch, rows)  # in passes of max_tokens_per_micro_batch, if set
         return F.sequence_logps(per_token, mask, self.length_normalize), valid

@@ -10,6 +10,8 @@ One training micro-step reads as:
 3. ``compute_loss`` computes the policy's token log-probs (``policy_logps.py``) and returns the loss of the objective
    ``loss_type`` names (TPO: the cross-entropy to ``q``, built from the detached log-probs if the rollout did not) plus
    the regularisers (``objectives.py``); what the step built for later iterations is kept in the batch's cache.
+   With ``max_tokens_per_micro_batch``, ``training_step`` runs it in passes of bounded tokens, each back-propagated
+   on its own (``token_budget.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import set_seed
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
@@ -53,7 +56,7 @@ from .modeling.loading import (
     prepare_policy,
 )
 from .multi_turn import EnvironmentPool, ToolLoop, check_multi_turn_arguments, with_environment_rewards
-from .objectives import TrainingLoss, build_objective
+from .objectives import LossTerms, TrainingLoss, build_objective
 from .policy_logps import PolicyLogps, TokenLogps
 from .preflight import (
     DatasetNeeds,
@@ -72,6 +75,7 @@ from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
 from .split_groups import SplitGroups
+from .token_budget import check_budget_fits, joined_by_rows
 from .tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from .vision import is_processor
 
@@ -164,7 +168,7 @@ class TargetPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.model_accepts_loss_kwargs = False
-        check_engine_supported(self.accelerator)
+        check_engine_supported(self.accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
         # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
         self._sharded = shards_parameters(self.accelerator)
         self._prepare_frozen_models()
@@ -262,15 +266,18 @@ class TargetPOTrainer(Trainer):
         # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
         # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
         self._generate_every = args.steps_per_generation * args.num_iterations
-        # TPO's groups spread over micro-steps need their q and p_old before their first micro-step.
+        # TPO's groups spread over micro-steps (or over a micro-step's passes) need their q and p_old before their
+        # first micro-step.
         self._layout = BatchLayout.from_config(args, self.accelerator.num_processes)
-        self._groups_split = args.loss_type == "tpo" and self._layout.splits_groups
+        self._token_budget = args.max_tokens_per_micro_batch
+        self._groups_split = args.loss_type == "tpo" and (self._layout.splits_groups or self._passes_split_groups())
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0 or self._groups_split
         # Where every step batch is first used at the rollout's weights, that use computes the old log-probs of the
-        # rows it trains anyway: the rollout records only the others.
+        # rows it trains anyway: the rollout records only the others (not when a micro-step is trained in passes).
         self._old_logps_at_first_use = (
             self._needs_old_logps
             and not self._groups_split
+            and self._token_budget is None
             and self._generate_every % args.gradient_accumulation_steps == 0
             and args.steps_per_generation <= args.gradient_accumulation_steps
         )
@@ -302,6 +309,16 @@ class TargetPOTrainer(Trainer):
             self._prompt_encoder.render,
         )
 
+    def _passes_split_groups(self) -> bool:
+        """With max_tokens_per_micro_batch: whether a micro-step's passes may cut a prompt group (it may outgrow a
+        pass, or span processes), so that TPO must train its groups from a softmax known ahead."""
+        if self._token_budget is None:
+            return False
+        longest = None if self._max_prompt_tokens is None else self._max_prompt_tokens + self.args.max_completion_length
+        check_budget_fits(self._token_budget, longest)
+        group_size = self.args.num_generations
+        return group_size * longest > self._token_budget or self.args.per_device_train_batch_size % group_size != 0
+
     def _set_up_loss(self) -> None:
         """The loss: the objective loss_type names, the regularisers the run switches on, and the token log-probs."""
         args = self.args
@@ -331,6 +348,7 @@ class TargetPOTrainer(Trainer):
             rows_per_pass=args.per_device_train_batch_size,
             padding_free=args.padding_free,
             head_kernel=args.logps_head_kernel,
+            token_budget=args.max_tokens_per_micro_batch,
         )
         self._split_groups = None
         if self._groups_split:
@@ -611,17 +629,98 @@ class TargetPOTrainer(Trainer):
         rows = self._rows_to_train(inputs, mode)
         mask, valid = inputs.masks_without(rows)
         logps = self._policy_logps(model, inputs, rows, mask)
+        terms = self._loss_of_rows(inputs, logps, mask, valid, mode)
+        self._keep_and_record(inputs, terms, logps.entropies, rows, mode)
+        self._require_finite_loss(terms.loss)
+        return terms.loss
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if self._token_budget is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        # max_tokens_per_micro_batch: the micro-step's passes each run their own backward (the Trainer's step runs one).
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimisers, as the Trainer does
+            self.optimizer.train()
+        batch = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self._train_in_passes(model, batch)
+        steps = self.args.torch_empty_cache_steps
+        if steps is not None and self.state.global_step % steps == 0:
+            clear_device_cache()
+        return loss
+
+    def _train_in_passes(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """One micro-step in passes of at most max_tokens_per_micro_batch tokens, each back-propagated as soon as its
+        loss is known: every pass's loss is its rows' part of the micro-step's (rows left out of a pass count as in
+        ``masks_without``), so their gradients add up to the micro-step's. Returns the micro-step's loss, as the
+        Trainer's step returns it (detached, divided by the accumulation steps)."""
+        rows = self._rows_to_train(batch, "train")
+        mask, _ = batch.masks_without(rows)
+        whole_groups = self.args.loss_type == "tpo" and batch.group_log_probs is None  # TPO without p known ahead
+        passes = self._passes(model, batch, rows, self.args.num_generations if whole_groups else None)
+        cache = batch.cache  # each pass builds its own rows' part of what the first use builds (q, importance weights)
+        parts = []
+        for index, pass_rows in enumerate(passes):
+            batch.cache = cache
+            pass_mask, pass_valid = batch.masks_without(pass_rows)
+            # Only the last pass's backward reduces gradients over processes (DDP), once for all of them.
+            last = index == len(passes) - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                logps = self._policy_logps(model, batch, pass_rows, pass_mask)
+                terms = self._loss_of_rows(batch, logps, pass_mask, pass_valid, "train", micro_step_mask=mask)
+                self._require_finite_loss(terms.loss)
+                self.accelerator.backward(terms.loss / self.current_gradient_accumulation_steps)
+            parts.append((terms, logps.entropies))
+        batch.cache = cache
+        terms = LossTerms.joined([terms for terms, _ in parts], passes)
+        entropies = joined_by_rows([entropies for _, entropies in parts], passes)
+        self._keep_and_record(batch, terms, entropies, rows, "train")
+        return terms.loss / self.current_gradient_accumulation_steps
+
+    def _passes(
+        self, model: nn.Module, batch: RolloutBatch, rows: torch.Tensor | None, group_size: int | None = None
+    ) -> list[torch.Tensor]:
+        """The batch's rows to pass (bool; None: all) in passes of at most max_tokens_per_micro_batch tokens (row
+        masks), a group's rows in one pass with ``group_size``; as many passes on every process, since a DDP model's
+        forward pass is a collective (it shares the model's buffers)."""
+        passes = self._logps.token_passes(model, batch, rows, group_size)
+        if self.accelerator.num_processes > 1:
+            count = torch.tensor([len(passes)], device=self.accelerator.device)
+            most = int(self.accelerator.gather(count).max())
+            passes = self._logps.token_passes(model, batch, rows, group_size, at_least=most)
+        return passes
+
+    def _loss_of_rows(
+        self,
+        inputs: RolloutBatch,
+        logps: TokenLogps,
+        mask: torch.Tensor,
+        valid: torch.Tensor,
+        mode: str,
+        micro_step_mask: torch.Tensor | None = None,
+    ) -> LossTerms:
+        """The loss terms of the rows in ``mask`` from their log-probs; at a step batch's first use, its old
+        log-probs are completed from them first."""
         if mode == "train" and inputs.old_logps_from_first_use is not None:
             self._fill_old_logps(inputs, logps.per_token)
         importance_sampling = mode == "train" and self._importance_sampling
-        terms = self._loss(logps, inputs, mask, valid, mode, importance_sampling)
+        return self._loss(logps, inputs, mask, valid, mode, importance_sampling, micro_step_mask)
+
+    def _keep_and_record(
+        self,
+        inputs: RolloutBatch,
+        terms: LossTerms,
+        entropies: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        mode: str,
+    ) -> None:
+        """Keep what the step batch's use built, and record its metrics and any freshly built q."""
+        mask, valid = inputs.masks_without(rows)
         # `inputs` is the rollout buffer's own step batch: what this use built serves its later uses (num_iterations).
         inputs.cache = inputs.cache.updated(terms.built())
-        record_loss_metrics(self._metrics, mode, terms, logps.entropies, mask, rows)
-        if terms.objective.targets is not None:  # built over the rows of this pass, or all of them from old log-probs
+        record_loss_metrics(self._metrics, mode, terms, entropies, mask, rows)
+        if terms.objective.targets is not None:  # built over the rows trained, or all of them from old log-probs
             self._record_targets(inputs, mode, None if inputs.old_per_token_logps is not None else valid)
-        self._require_finite_loss(terms.loss)
-        return terms.loss
 
     def _policy_logps(
         self, model: nn.Module, inputs: RolloutBatch, rows: torch.Tensor | None, mask: torch.Tensor
@@ -631,6 +730,9 @@ class TargetPOTrainer(Trainer):
         def forward() -> TokenLogps:
             entropy_grad = self._loss.entropy_bonus is not None
             router_aux_loss = self._loss.router_aux_loss_coef is not None
+            if self._token_budget is not None and not torch.is_grad_enabled():  # evaluation: passes, then one loss
+                passes = self._passes(model, inputs, rows)
+                return self._logps.by_passes(model, inputs, passes, with_entropy=True, router_aux_loss=router_aux_loss)
             return self._logps(model, inputs, True, rows, entropy_grad, router_aux_loss)
 
         # A forward pass that fails, or gives non-finite log-probs, on one process stops every process before the

@@ -1,0 +1,189 @@
+"""max_tokens_per_micro_batch: a micro-step trained in several passes of bounded tokens gives the gradient of one pass.
+
+The plan's closed forms first (``token_budget.plan_passes``), then training: plain SGD on fixed completions
+(``split_group_workers``), each run with and without a budget; equal weights after every optimiser step mean equal
+gradients. Each budgeted run is checked to have run several passes per micro-step (the forward passes with gradient
+are counted), so the comparison is not between two single-pass runs.
+"""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from datasets import Dataset
+from split_group_workers import NUM_GENERATIONS, PROMPTS, train, two_process_worker
+from test_distributed import free_port
+from test_split_groups import assert_same_weights_after_every_step, assert_steps_move_the_weights, logged_losses
+
+from targetpo import TargetPOConfig
+from targetpo.token_budget import check_budget_fits, pass_tokens, plan_passes
+
+# Prompts of at most 12 tokens and completions of at most 5 (split_group_workers): one sequence is at most 17 tokens.
+PROMPT_LIMIT = dict(max_prompt_length=12)
+
+
+# ------------------------------------------------------------------------------------------------------ the plan
+def test_a_pass_costs_its_tokens_packed_or_its_padded_rectangle():
+    assert pass_tokens([3, 5], [4, 1], packed=True) == 3 + 5 + 4 + 1
+    assert pass_tokens([3, 5], [4, 1], packed=False) == 2 * (5 + 4)
+    assert pass_tokens([], [], packed=False) == 0
+
+
+def test_rows_fill_passes_until_the_next_would_not_fit_in_order_when_packed_longest_first_when_padded():
+    prompts, completions = [2, 2, 2, 2, 2], [3, 3, 6, 1, 3]  # sequences of 5, 5, 8, 3, 5 tokens
+    assert plan_passes(prompts, completions, range(5), budget=13, packed=True) == [[0, 1], [2, 3], [4]]
+    # Padded, longest first (2, 0, 1, 4, 3): [2, 0] would be 2 x 8 = 16; [0, 1, 4] 3 x 5 = 15; [4, 3] 2 x 5 = 10.
+    assert plan_passes(prompts, completions, range(5), budget=13, packed=False) == [[2], [0, 1], [3, 4]]
+    # Only the rows asked for, still in order.
+    assert plan_passes(prompts, completions, [1, 3, 4], budget=13, packed=True) == [[1, 3, 4]]
+
+
+def test_a_groups_rows_share_a_pass():
+    prompts, completions = [1] * 6, [1] * 6  # 2 tokens per row; groups of 3 rows (6 tokens)
+    assert plan_passes(prompts, completions, range(6), budget=8, packed=True) == [[0, 1, 2, 3], [4, 5]]
+    assert plan_passes(prompts, completions, range(6), budget=8, packed=True, group_size=3) == [[0, 1, 2], [3, 4, 5]]
+    # Padded, groups go longest first as units: group 1 (a row of 4 tokens) before group 0.
+    prompts[4] = 3
+    assert plan_passes(prompts, completions, range(6), budget=12, packed=False, group_size=3) == [[3, 4, 5], [0, 1, 2]]
+    # Rows left out do not move the others: group 0 keeps rows 0 and 2.
+    assert plan_passes(prompts, completions, [0, 2, 3, 4, 5], 8, True, group_size=3) == [[0, 2], [3, 4, 5]]
+
+
+def test_a_unit_the_budget_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match="cannot hold row 1"):
+        plan_passes([1, 9], [1, 1], range(2), budget=8, packed=True)
+    with pytest.raises(ValueError, match="a prompt group's rows"):
+        plan_passes([1] * 4, [1] * 4, range(4), budget=6, packed=True, group_size=4)
+
+
+def test_the_budget_must_hold_the_longest_sequence():
+    check_budget_fits(17, 17)
+    with pytest.raises(ValueError, match="at least 17"):
+        check_budget_fits(16, 17)
+    with pytest.raises(ValueError, match="set max_prompt_length"):
+        check_budget_fits(100, None)
+
+
+# ------------------------------------------------------------------------------------------------------ training
+def count_forward_passes_with_gradient(trainer):
+    trainer.forwards_with_gradient = 0
+
+    def count(module, args, kwargs):
+        trainer.forwards_with_gradient += torch.is_grad_enabled()
+
+    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+def assert_same_training(budgeted, reference, metrics=("entropy",)):
+    assert budgeted.state.global_step == reference.state.global_step
+    assert_same_weights_after_every_step(budgeted.recorded, reference.recorded)
+    assert_steps_move_the_weights(reference.recorded[1:], reference.recorded[0])
+    # The passes' losses add up to the micro-step's: the same loss is logged, and metrics measured over the
+    # micro-step's tokens are measured once over all of them.
+    assert logged_losses(budgeted) == pytest.approx(logged_losses(reference), rel=1e-5, abs=1e-7)
+    for name in metrics:
+        assert logged(budgeted, name) == pytest.approx(logged(reference, name), rel=1e-5)
+    assert budgeted.forwards_with_gradient >= 2 * reference.forwards_with_gradient
+
+
+def logged(trainer, name):
+    return [entry[name] for entry in trainer.state.log_history if name in entry]
+
+
+CASES = {
+    # The KL to the reference divides by the micro-step's tokens, not a pass's.
+    "grpo-kl": dict(loss_type="grpo", beta=0.04, per_device_train_batch_size=8, max_steps=2, budget=40),
+    # Divided by the rollout's tokens, and by the local batch's; packed passes are cut by their real tokens.
+    "dapo-packed": dict(loss_type="dapo", padding_free=True, per_device_train_batch_size=8, max_steps=2, budget=40),
+    "bnpo-two-epochs": dict(loss_type="bnpo", per_device_train_batch_size=8, max_steps=4, num_iterations=2,
+                            budget=40),
+    # 8 x 17 tokens fit the budget: each group in one pass, q built by the pass and kept for the second epoch.
+    "tpo-whole-groups": dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, budget=140),
+    # A group may outgrow the budget: the groups' softmax is known ahead (p_old, then a pass at moved weights).
+    "tpo-groups-over-passes": dict(per_device_train_batch_size=8, max_steps=4, num_iterations=2, budget=40),
+    "tpo-groups-over-passes-packed": dict(per_device_train_batch_size=8, max_steps=4, num_iterations=2, budget=40,
+                                          padding_free=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_micro_step_in_passes_trains_as_one_pass(tmp_path, case):
+    settings = dict(CASES[case], **PROMPT_LIMIT)
+    budget = settings.pop("budget")
+    metrics = ("entropy", "kl") if settings.get("beta") else ("entropy",)
+    reference = train(str(tmp_path / "one_pass"), on_trainer=count_forward_passes_with_gradient, **settings)
+    budgeted = train(
+        str(tmp_path / "passes"), on_trainer=count_forward_passes_with_gradient, max_tokens_per_micro_batch=budget,
+        **settings,
+    )
+    assert_same_training(budgeted, reference, metrics)
+
+
+@pytest.mark.parametrize("budget", [140, 40], ids=["whole-groups", "groups-over-passes"])
+def test_skipped_rows_stay_exact_in_passes(tmp_path, budget):
+    """One group scores equal: skipped at the rollout's weights, trained at moved ones, in passes or not."""
+    settings = dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, **PROMPT_LIMIT)
+    reference = train(str(tmp_path / "one_pass"), "letter_score_but_cat_ties", skip_zero_gradient_completions=False,
+                      on_trainer=count_forward_passes_with_gradient, **settings)
+    budgeted = train(str(tmp_path / "passes"), "letter_score_but_cat_ties", max_tokens_per_micro_batch=budget,
+                     on_trainer=count_forward_passes_with_gradient, **settings)
+    assert budgeted.args.skip_zero_gradient_completions
+    assert logged(budgeted, "completions/skipped_fraction")[0] > 0
+    assert_same_weights_after_every_step(budgeted.recorded, reference.recorded)
+    assert budgeted.forwards_with_gradient > reference.forwards_with_gradient
+
+
+def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
+    settings = dict(per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=1, **PROMPT_LIMIT)
+    losses = []
+    for name, budget in (("one_pass", None), ("passes", 40)):
+        trainer = train(str(tmp_path / name), max_tokens_per_micro_batch=budget, **settings)
+        losses.append(trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))["eval_loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_a_budget_below_one_sequence_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match="cannot hold one whole sequence of up to 17 tokens"):
+        train(str(tmp_path), max_tokens_per_micro_batch=16, per_device_train_batch_size=8, max_steps=1,
+              **PROMPT_LIMIT)
+
+
+@pytest.mark.parametrize(
+    "settings, refused",
+    [
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5 ranks"),
+        (dict(entropy_coef=0.01, off_policy_mask_threshold=0.5), "off_policy_mask_threshold decides pass by pass"),
+        (dict(optim="lomo"), "optim=lomo updates the weights inside each backward pass"),
+    ],
+)
+def test_settings_that_need_the_whole_micro_step_at_once_are_refused(tmp_path, settings, refused):
+    with pytest.raises(ValueError, match=refused):
+        TargetPOConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64, report_to="none", **settings)
+
+
+def test_the_entropy_bonus_alone_divides_by_the_micro_steps_tokens(tmp_path):
+    settings = dict(loss_type="grpo", entropy_coef=0.05, per_device_train_batch_size=8, max_steps=2, **PROMPT_LIMIT)
+    reference = train(str(tmp_path / "one_pass"), on_trainer=count_forward_passes_with_gradient, **settings)
+    budgeted = train(str(tmp_path / "passes"), on_trainer=count_forward_passes_with_gradient,
+                     max_tokens_per_micro_batch=40, **settings)
+    assert_same_training(budgeted, reference)
+
+
+@pytest.mark.slow
+def test_passes_on_two_processes_train_as_one_pass(tmp_path):
+    """Two processes with 4 rows each, cut into passes whose number the processes agree on (a DDP forward pass is a
+    collective): in the first step process 0's rows fit in 2 packed passes of 24 tokens and process 1's need 3. GRPO with the KL: as the same two processes in one pass each (each process's KL is a mean over its
+    own tokens). TPO: its groups span processes and passes, trained from their softmax known ahead, as one process
+    with the whole group in one pass."""
+    two_processes = dict(per_device_train_batch_size=4, **PROMPT_LIMIT)
+    grpo, tpo = dict(loss_type="grpo", beta=0.04, max_steps=2), dict(max_steps=4, num_iterations=2)
+    cases = [
+        ("grpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **grpo, **two_processes)),
+        ("grpo_one_pass", "letter_score", dict(**grpo, **two_processes)),
+        ("tpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **tpo, **two_processes)),
+    ]
+    mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    tpo_reference = train(str(tmp_path / "tpo"), per_device_train_batch_size=NUM_GENERATIONS, **tpo, **PROMPT_LIMIT)
+    for rank in range(2):
+        weights = {name: torch.load(tmp_path / f"{name}_rank{rank}.pt") for name, _, _ in cases}
+        assert_same_weights_after_every_step(weights["grpo_passes"], weights["grpo_one_pass"])
+        assert_same_weights_after_every_step(weights["tpo_passes"], tpo_reference.recorded)
