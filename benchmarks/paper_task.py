@@ -175,7 +175,11 @@ def _nesterov(momentum: torch.Tensor, grad: torch.Tensor, beta: float, step: int
 class OptaxMuon(torch.optim.Optimizer):
     """``optax.contrib.muon`` (0.2.8) with its defaults: on a group with a ``muon_scale``, Muon (momentum 0.95,
     Nesterov, 5 Newton-Schulz steps on the parameter viewed as ``muon_shape``, a batch of matrices, the update times
-    ``muon_scale``); on the others, Adam with Nesterov momentum (0.9, 0.999, eps 1e-8). No weight decay."""
+    ``muon_scale``); on the others, Adam with Nesterov momentum (0.9, 0.999, eps 1e-8). No weight decay.
+
+    Written out rather than ``torch.optim.Muon``: that one takes 2-D parameters only, with its own learning-rate
+    scaling, bias correction and no Adam for the rest, while the paper's runs depend on optax's choices (its bias-
+    corrected Nesterov moment, its scale, the q/k/v biases orthogonalised per head, Nesterov Adam elsewhere)."""
 
     def __init__(self, groups: Iterable[dict], lr: float = LEARNING_RATE):
         defaults = dict(lr=lr, muon_scale=None, muon_shape=None, beta=0.95, adam_betas=(0.9, 0.999), eps=1e-8,
