@@ -55,9 +55,22 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def make_trainer(method: str, settings: dict, **trainer_kwargs):
+    """The trainer of ``method`` (one of METHODS) with ``settings`` as its config fields: TRL's GRPOTrainer for
+    ``trl-grpo``, else targetpo's trainer with the loss the method names."""
+    if method == "trl-grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
+        return GRPOTrainer(args=GRPOConfig(bf16=False, gradient_checkpointing=False, **settings), **trainer_kwargs)
+    from targetpo import TargetPOConfig, TargetPOTrainer
+
+    loss_type = method.removeprefix("targetpo-")
+    return TargetPOTrainer(args=TargetPOConfig(loss_type=loss_type, **settings), **trainer_kwargs)
+
+
 def train_once(method: str, length: int, seed: int, args: argparse.Namespace) -> list[list[float]]:
     """One run; returns [step, success rate] at every log."""
-    from targetpo import TargetPOConfig, TargetPOTrainer
     from targetpo.demo import (
         binary_only_generation_kwargs,
         build_tiny_causal_lm,
@@ -123,14 +136,7 @@ def train_once(method: str, length: int, seed: int, args: argparse.Namespace) ->
             processing_class=tokenizer,
             environment_factory=GuessingGame,
         )
-    if method == "trl-grpo":
-        from trl import GRPOConfig, GRPOTrainer
-
-        # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
-        trainer = GRPOTrainer(args=GRPOConfig(bf16=False, gradient_checkpointing=False, **settings), **common)
-    else:
-        loss_type = method.removeprefix("targetpo-")
-        trainer = TargetPOTrainer(args=TargetPOConfig(loss_type=loss_type, **settings), **common)
+    trainer = make_trainer(method, settings, **common)
     trainer.train()
     return [[entry["step"], entry["reward"]] for entry in trainer.state.log_history if "reward" in entry]
 

@@ -29,11 +29,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(characters: str = PRINTABLE, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    """A tokenizer with one token per character, plus <pad>, <eos> and <unk>, and a simple chat template."""
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
-    for character in characters:
-        vocab.setdefault(character, len(vocab))
+def build_char_tokenizer(
+    characters: str = PRINTABLE, chat_template: str | None = CHAT_TEMPLATE, special_tokens_last: bool = False
+) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per character, plus <pad>, <eos> and <unk>, and a simple chat template.
+
+    With ``special_tokens_last`` the characters take the ids 0, 1, ... in order and the special tokens follow them, so
+    a model whose vocabulary is the characters alone (an output head over them only) can use it.
+    """
+    order = (*characters, *SPECIAL_TOKENS) if special_tokens_last else (*SPECIAL_TOKENS, *characters)
+    vocab: dict[str, int] = {}
+    for token in order:
+        vocab.setdefault(token, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is its own piece
     backend.decoder = decoders.Fuse()  # join characters back without spaces
@@ -76,13 +83,14 @@ def build_tiny_causal_lm(
     return model
 
 
-def reverse_task_dataset(length: int = 6, num_prompts: int = 4096, seed: int = 0) -> Dataset:
-    """Random binary strings as prompts ``"0110="``, with the reversed string in the ``target`` column."""
+def reverse_task_dataset(length: int = 6, num_prompts: int = 4096, seed: int = 0, separator: str = "=") -> Dataset:
+    """Random binary strings as prompts ``"0110="`` (each bit drawn uniformly, independently), with the reversed string
+    in the ``target`` column. ``separator`` ends each prompt; the paper's prompts are the bits alone (``""``)."""
     if length < 1:
         raise ValueError(f"The string length must be >= 1, got {length}.")
     rng = random.Random(seed)
     bits = ["".join(rng.choice("01") for _ in range(length)) for _ in range(num_prompts)]
-    return Dataset.from_dict({"prompt": [b + "=" for b in bits], "target": [b[::-1] for b in bits]})
+    return Dataset.from_dict({"prompt": [b + separator for b in bits], "target": [b[::-1] for b in bits]})
 
 
 def exact_reversal_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:

@@ -1,0 +1,124 @@
+"""benchmarks/paper_table3.py: the exact-match error it reports, on policies whose error is known in closed form, and
+the script end to end on its smallest configuration (records appended across invocations, the report)."""
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "paper_table3.py"
+_spec = importlib.util.spec_from_file_location("paper_task", ROOT / "benchmarks" / "paper_task.py")
+paper_task = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(paper_task)
+
+LENGTH = 4
+
+
+class ForcedBits(LogitsProcessor):
+    """Lets only one bit through at each step: the prompt's bit that the reversal puts there, or its opposite."""
+
+    def __init__(self, length: int, reversal: bool):
+        self.length, self.reversal = length, reversal
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        position = input_ids.shape[1] - self.length  # bits written so far
+        bit = input_ids[:, self.length - 1 - position]
+        forced = bit if self.reversal else 1 - bit
+        return torch.full_like(scores, float("-inf")).scatter(1, forced[:, None], 0.0)
+
+
+def sampled_error(model, processor: LogitsProcessor, num_prompts: int = 16) -> float:
+    """The paper's estimator: exact-match error of completions sampled at temperature 1 for random prompts."""
+    tokenizer = paper_task.bit_tokenizer()
+    prompts = paper_task.paper_prompts(LENGTH, num_prompts, seed=0)
+    inputs = tokenizer(list(prompts["prompt"]), return_tensors="pt")
+    generated = model.generate(
+        **inputs, do_sample=True, temperature=1.0, max_new_tokens=LENGTH, min_new_tokens=LENGTH,
+        logits_processor=LogitsProcessorList([processor]), pad_token_id=tokenizer.pad_token_id,
+    )
+    completions = tokenizer.batch_decode(generated[:, LENGTH:])
+    return paper_task.exact_match_error(completions, list(prompts["target"]))
+
+
+@pytest.mark.parametrize("reversal, error", [(True, 0.0), (False, 100.0)])
+def test_a_policy_forced_to_the_reversal_or_away_from_it_has_error_0_or_100(reversal, error):
+    model = paper_task.reference_model(LENGTH, seed=0)
+    processor = ForcedBits(LENGTH, reversal)
+    assert paper_task.expected_exact_match_error(model, LENGTH, processor) == error
+    assert sampled_error(model, processor) == error
+
+
+def test_a_uniform_policy_has_the_error_of_a_coin_per_bit():
+    model = paper_task.reference_model(LENGTH, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # the head has no bias: every logit 0, each bit 1/2 whatever the input
+    expected = paper_task.expected_exact_match_error(model, LENGTH)
+    assert expected == pytest.approx(100.0 * (1 - 2.0**-LENGTH), abs=1e-4)
+
+
+def run_script(*arguments: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(SCRIPT), *arguments], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method(tmp_path):
+    output = tmp_path / "table3.json"
+    small = ["--lengths", "3", "--prompts_per_step", "4", "--num_generations", "4", "--steps", "3",
+             "--eval_every", "1", "--output", str(output)]
+    methods = ["targetpo-tpo", "targetpo-grpo", "trl-grpo"]
+    run_script(*small, "--seeds", "0", "--methods", *methods)
+    first = json.loads(output.read_text())["runs"]
+    assert sorted(run["method"] for run in first) == sorted(methods)
+    for run in first:
+        assert (run["H"], run["K"], run["B"], run["seed"], run["steps"]) == (3, 4, 4, 0, 3)
+        assert len(run["curve"]) == 3 and run["final_error"] == run["curve"][-1]
+        # each rollout's error is the share of its 16 completions that are wrong
+        assert all(0 <= error <= 100 and (error / 6.25).is_integer() for error in run["curve"])
+        assert 0 <= run["expected_error"] <= 100
+        assert [rollout for rollout, _ in run["eval_curve"]] == [1, 2, 3]
+        assert run["eval_curve"][-1][1] == pytest.approx(run["expected_error"], abs=1e-3)
+
+    run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo")
+    second = json.loads(output.read_text())["runs"]
+    assert second[:3] == first and len(second) == 4
+    assert (second[3]["method"], second[3]["seed"]) == ("targetpo-tpo", 1)
+
+    assert "already in" in run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo")  # not run twice
+    assert len(json.loads(output.read_text())["runs"]) == 4
+
+    text = run_script("--report_only", "--output", str(output))
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    for method in methods:
+        assert any(line.startswith(f"| {method} | 3 | 4 | 4 | 3 |") for line in table), method
+    assert "| targetpo-tpo | 3 | 4 | 4 | 3 | 2 |" in text  # two seeds of targetpo-tpo in one row
+    assert output.with_suffix(".md").read_text().strip() == text.strip()
+    assert (tmp_path / "table3_by_length.png").stat().st_size > 0
+
+
+def test_the_docs_command_lines_use_the_scripts_own_flags(monkeypatch):
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "benchmarks.md").read_text(), flags=re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    commands = [shlex.split(line.split("paper_table3.py", 1)[1], comments=True) for line in lines
+                if "benchmarks/paper_table3.py" in line]
+    assert len(commands) >= 6, commands
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script's sibling modules
+    spec = importlib.util.spec_from_file_location("paper_table3", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for words in commands:
+        words = words[: words.index(">")] if ">" in words else words
+        monkeypatch.setattr(sys, "argv", ["paper_table3.py", *words])
+        script.parse_args()  # an unknown flag or value exits with an error
