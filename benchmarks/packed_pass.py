@@ -192,7 +192,7 @@ def targetpo_passes(args: argparse.Namespace) -> dict:
     def packed(model, *rows):
         return packed_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size)
 
-    budget = args.max_tokens or 2 * (args.prompt_length + args.completion_length)
+    budget = args.max_tokens
     return {
         "padded": padded,
         "packed": packed,
@@ -241,6 +241,7 @@ def timed(run, model, rows, synchronize: bool) -> tuple[float, torch.Tensor, flo
 
 def main() -> None:
     args = parse_args()
+    args.max_tokens = args.max_tokens or 2 * (args.prompt_length + args.completion_length)
     from targetpo.modeling.packing import model_packing_problem
 
     generator = torch.Generator().manual_seed(args.seed)
