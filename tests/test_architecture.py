@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "targetpo"
 LAYERS = [
     "functional",
     "batch_layout",
+    "token_budget",
     "config",
     "distributed",
     "tools",
