@@ -357,8 +357,9 @@ class GRPOConfig(TrainingArguments):
             "same way. Must hold one sequence of max_prompt_length + max_completion_length tokens. TPO keeps each "
             "prompt group in one pass when num_generations such sequences fit, and otherwise trains its groups "
             "across passes from their softmax computed ahead (one more pass without gradient per rollout, and per "
-            "optimiser step once the weights moved). Not with DeepSpeed, FSDP or top_entropy_quantile < 1, nor "
-            "with the entropy bonus and off_policy_mask_threshold together. None: one pass per micro-step."
+            "optimiser step once the weights moved). Not with DeepSpeed, FSDP, top_entropy_quantile < 1, "
+            "optimisers that step inside backward (LOMO, layer-wise GaLore), nor the entropy bonus together with "
+            "off_policy_mask_threshold. None: one pass per micro-step."
         },
     )
     logps_head_kernel: str = field(
@@ -785,9 +786,10 @@ class GRPOConfig(TrainingArguments):
                     f"{self.top_entropy_quantile} ranks each token's entropy against all of the micro-step's tokens at "
                     "once. Unset one of them."
                 )
-            if getattr(self.optim, "value", self.optim) in ("lomo", "adalomo"):
+            optim = getattr(self.optim, "value", self.optim)
+            if optim in ("lomo", "adalomo") or optim.endswith("_layerwise"):
                 raise ValueError(
-                    f"max_tokens_per_micro_batch runs several backward passes per micro-step, and optim={getattr(self.optim, 'value', self.optim)} "
+                    f"max_tokens_per_micro_batch runs several backward passes per micro-step, and optim={optim} "
                     "updates the weights inside each backward pass. Choose another optimiser or unset "
                     "max_tokens_per_micro_batch."
                 )

@@ -300,13 +300,21 @@ class LossTerms(NamedTuple):
         return StepCache(targets=self.objective.targets, importance_weights=weights)
 
     @classmethod
-    def joined(cls, parts: Sequence[LossTerms], passes: Sequence[torch.Tensor]) -> LossTerms:
+    def joined(
+        cls, parts: Sequence[LossTerms], passes: Sequence[torch.Tensor], built_for_every_row: bool = False
+    ) -> LossTerms:
         """One micro-step's terms from those of its passes (``passes``: each one's rows, bool), detached: the loss,
-        the KL and the router loss add up (each pass's is its part of the micro-step's); what a pass built or
-        measured per row or token is taken from the rows it trained."""
+        the KL and the router loss add up (each pass's is its part of the micro-step's); what a pass measured per
+        row or token is taken from the rows it trained, and so is what it built (q, importance weights) unless it
+        was ``built_for_every_row`` (from the rollout's old log-probs, the same in every pass)."""
 
         def by_rows(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
             return joined_by_rows(values, passes)
+
+        def built(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+            if not built_for_every_row:
+                return by_rows(values)
+            return next((value.detach() for value in values if value is not None), None)
 
         def summed(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
             present = [value.detach() for value in values if value is not None]
@@ -316,7 +324,7 @@ class LossTerms(NamedTuple):
         first = objectives[0]
         objective = ObjectiveResult(
             summed([result.loss for result in objectives]),
-            by_rows([result.targets for result in objectives]),
+            built([result.targets for result in objectives]),
             {name: by_rows([result.token_means[name] for result in objectives]) for name in first.token_means},
             {
                 name: (by_rows([result.sequence_extremes[name][0] for result in objectives]), extreme)
@@ -327,7 +335,7 @@ class LossTerms(NamedTuple):
         importance_weights = None
         if any(built is not None for built in weights):
             importance_weights = BuiltImportanceWeights(
-                *(by_rows([None if built is None else built[index] for built in weights]) for index in range(5))
+                *(built([None if one is None else one[index] for one in weights]) for index in range(5))
             )
         return cls(
             summed([part.loss for part in parts]),
@@ -398,9 +406,6 @@ class TrainingLoss:
             count = self.objective.entropy_token_count(batch, tokens if micro_step_mask is None else micro_step_mask)
             bonus, coefficient = self.entropy_bonus(entropies, tokens, count, mode)
             loss = loss - bonus
-        aux_loss = logps.aux_loss
-        if aux_loss is not None:
-            if micro_step_mask is not None:  # each pass's router loss weighs by its share of the micro-step's tokens
-                aux_loss = aux_loss * mask.sum() / micro_step_count
-            loss = loss + self.router_aux_loss_coef * aux_loss
-        return LossTerms(loss, result, built_weights, kl, coefficient, aux_loss)
+        if logps.aux_loss is not None:  # (a pass's: already weighted by its share of the micro-step's tokens)
+            loss = loss + self.router_aux_loss_coef * logps.aux_loss
+        return LossTerms(loss, result, built_weights, kl, coefficient, logps.aux_loss)

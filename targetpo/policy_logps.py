@@ -25,7 +25,7 @@ from .modeling.logps import (
 )
 from .modeling.packing import model_packing_problem, rows_packing_problem
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
-from .token_budget import joined_by_rows, pass_row_masks
+from .token_budget import joined_by_rows, pass_row_masks, pass_token_shares
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 
 #: The four tensors every batch of rows has, in ``completion_logps``'s order.
@@ -181,10 +181,8 @@ class PolicyLogps:
     def by_passes(self, model: nn.Module, batch: Any, passes: list[torch.Tensor], **settings: Any) -> TokenLogps:
         """:meth:`__call__` over each pass's rows (bool masks), put together and detached (for passes without
         gradient): every row's values from its pass. A router's loss is each pass's weighted by its share of the
-        passes' completion tokens."""
-        completion_mask = batch.get("completion_mask", batch["completion_attention_mask"])
-        tokens = torch.stack([(completion_mask * rows.unsqueeze(-1)).sum() for rows in passes])
-        shares = tokens / tokens.sum().clamp(min=1)
+        passes' tokens (``pass_token_shares``)."""
+        shares = pass_token_shares(batch["prompt_mask"], batch["completion_attention_mask"], passes)
         parts = [self(model, batch, rows=rows, **settings) for rows in passes]
         per_token, entropies = (joined_by_rows(values, passes) for values in zip(*(part[:2] for part in parts)))
         aux_losses = [share * part.aux_loss for share, part in zip(shares, parts) if part.aux_loss is not None]

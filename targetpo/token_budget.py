@@ -51,9 +51,15 @@ def plan_passes(
         units.sort(key=lambda unit: -max(prompt_lengths[row] + completion_lengths[row] for row in unit))
     passes: list[list[int]] = []
     for unit in units:
-        if _tokens(prompt_lengths, completion_lengths, unit, packed) > budget:
-            what = "a prompt group's rows" if group_size is not None and len(unit) > 1 else f"row {unit[0]}"
-            raise ValueError(f"max_tokens_per_micro_batch={budget} cannot hold {what}: {unit}")
+        tokens = _tokens(prompt_lengths, completion_lengths, unit, packed)
+        if tokens > budget:
+            what = f"prompt group of rows {unit}" if group_size is not None and len(unit) > 1 else f"row {unit[0]}"
+            raise ValueError(
+                f"max_tokens_per_micro_batch={budget} cannot hold the {what} ({tokens} tokens): a pass never cuts a "
+                "sequence, nor a group where the loss needs it whole. Raise max_tokens_per_micro_batch, or keep the "
+                "sequences within max_prompt_length + max_completion_length (a rollout_func's are bounded only by "
+                "the model's positions)."
+            )
         if passes and _tokens(prompt_lengths, completion_lengths, passes[-1] + unit, packed) <= budget:
             passes[-1].extend(unit)
         else:
@@ -115,3 +121,13 @@ def joined_by_rows(values: Sequence[torch.Tensor | None], passes: Sequence[torch
             keep = rows.view(-1, *[1] * (value.dim() - 1))
             joined = torch.where(keep, value, torch.zeros_like(value) if joined is None else joined)
     return joined
+
+
+def pass_token_shares(
+    prompt_mask: torch.Tensor, completion_attention_mask: torch.Tensor, passes: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """Each pass's share of the tokens the model reads over all of them (prompt and completion, padding aside): the
+    weight of a mean over a pass's tokens, such as a router's load-balancing loss. A pass without rows has none."""
+    read = prompt_mask.sum(dim=-1) + completion_attention_mask.sum(dim=-1)
+    tokens = torch.stack([read[rows].sum() for rows in passes]).float()
+    return tokens / tokens.sum().clamp(min=1)

@@ -75,7 +75,7 @@ from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
 from .split_groups import SplitGroups
-from .token_budget import check_budget_fits, joined_by_rows
+from .token_budget import check_budget_fits, joined_by_rows, pass_token_shares
 from .tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from .vision import is_processor
 
@@ -270,6 +270,8 @@ class TargetPOTrainer(Trainer):
         # first micro-step.
         self._layout = BatchLayout.from_config(args, self.accelerator.num_processes)
         self._token_budget = args.max_tokens_per_micro_batch
+        if self._token_budget is not None:
+            self._check_token_budget()
         self._groups_split = args.loss_type == "tpo" and (self._layout.splits_groups or self._passes_split_groups())
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0 or self._groups_split
         # Where every step batch is first used at the rollout's weights, that use computes the old log-probs of the
@@ -309,15 +311,44 @@ class TargetPOTrainer(Trainer):
             self._prompt_encoder.render,
         )
 
+    def _check_token_budget(self) -> None:
+        """max_tokens_per_micro_batch: one sequence must fit a pass, and the passes replace the Trainer's own
+        training step (so an overridden compute_loss would never run)."""
+        check_budget_fits(self._token_budget, self._longest_sequence)
+        if type(self).compute_loss is not TargetPOTrainer.compute_loss:
+            raise ValueError(
+                f"{type(self).__name__} overrides compute_loss, which max_tokens_per_micro_batch does not call: its "
+                "passes compute each part of the micro-step's loss themselves. Unset max_tokens_per_micro_batch, or "
+                "keep the loss in compute_loss without it."
+            )
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        if parallelism is not None and parallelism.cp_enabled:
+            raise ValueError(
+                "max_tokens_per_micro_batch is not supported with context parallelism: its passes replace the "
+                "Trainer's training step, which sets context parallelism up. Unset one of them."
+            )
+
+    @property
+    def _longest_sequence(self) -> int | None:
+        """The most tokens of one sequence (prompt and completion); None: prompts are not limited."""
+        if self._max_prompt_tokens is None:
+            return None
+        return self._max_prompt_tokens + self.args.max_completion_length
+
+    @property
+    def _group_kept_whole_in_a_pass(self) -> int | None:
+        """With max_tokens_per_micro_batch: the rows of a group one pass must hold (TPO without its groups' softmax
+        known ahead), or None: any rows may share a pass."""
+        return self.args.num_generations if self.args.loss_type == "tpo" and not self._groups_split else None
+
     def _passes_split_groups(self) -> bool:
         """With max_tokens_per_micro_batch: whether a micro-step's passes may cut a prompt group (it may outgrow a
         pass, or span processes), so that TPO must train its groups from a softmax known ahead."""
         if self._token_budget is None:
             return False
-        longest = None if self._max_prompt_tokens is None else self._max_prompt_tokens + self.args.max_completion_length
-        check_budget_fits(self._token_budget, longest)
         group_size = self.args.num_generations
-        return group_size * longest > self._token_budget or self.args.per_device_train_batch_size % group_size != 0
+        outgrows = group_size * self._longest_sequence > self._token_budget
+        return outgrows or self.args.per_device_train_batch_size % group_size != 0
 
     def _set_up_loss(self) -> None:
         """The loss: the objective loss_type names, the regularisers the run switches on, and the token log-probs."""
@@ -516,6 +547,10 @@ class TargetPOTrainer(Trainer):
         batch.loss_token_count = self._objective.rollout_token_count(batch.completion_mask, mode)
         if mode == "train":
             batch.rollout_step = self.state.global_step
+        if mode == "train" and self._token_budget is not None:
+            # Now, not at the micro-step: a rollout_func's sequences are bounded by the model's positions only.
+            with self._failures_reach_every_process("checking the rollout's sequences against the token budget"):
+                self._logps.token_passes(self.model, batch, None, self._group_kept_whole_in_a_pass)
         if mode == "train" and args.skip_zero_gradient_completions and self._loss.reaches_only_rows_with_gradient:
             # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
             # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
@@ -656,34 +691,40 @@ class TargetPOTrainer(Trainer):
         Trainer's step returns it (detached, divided by the accumulation steps)."""
         rows = self._rows_to_train(batch, "train")
         mask, _ = batch.masks_without(rows)
-        whole_groups = self.args.loss_type == "tpo" and batch.group_log_probs is None  # TPO without p known ahead
-        passes = self._passes(model, batch, rows, self.args.num_generations if whole_groups else None)
-        cache = batch.cache  # each pass builds its own rows' part of what the first use builds (q, importance weights)
+        passes = self._training_passes(model, batch, rows, self._group_kept_whole_in_a_pass)
+        shares = pass_token_shares(batch.prompt_mask, batch.completion_attention_mask, passes)
+        # Each pass builds what the first use builds (q, importance weights); from the rollout's old log-probs that
+        # holds for every row, from a pass's own log-probs for its rows only.
+        built_for_every_row = batch.old_per_token_logps is not None
+        cache = batch.cache
         parts = []
-        for index, pass_rows in enumerate(passes):
+        for index, (pass_rows, share) in enumerate(zip(passes, shares)):
             batch.cache = cache
             pass_mask, pass_valid = batch.masks_without(pass_rows)
             # Only the last pass's backward reduces gradients over processes (DDP), once for all of them.
             last = index == len(passes) - 1
             with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
                 logps = self._policy_logps(model, batch, pass_rows, pass_mask)
+                if logps.aux_loss is not None:  # the router's loss, a mean over the pass's tokens: by their share
+                    logps = logps._replace(aux_loss=share * logps.aux_loss)
                 terms = self._loss_of_rows(batch, logps, pass_mask, pass_valid, "train", micro_step_mask=mask)
                 self._require_finite_loss(terms.loss)
                 self.accelerator.backward(terms.loss / self.current_gradient_accumulation_steps)
             parts.append((terms, logps.entropies))
         batch.cache = cache
-        terms = LossTerms.joined([terms for terms, _ in parts], passes)
+        terms = LossTerms.joined([terms for terms, _ in parts], passes, built_for_every_row)
         entropies = joined_by_rows([entropies for _, entropies in parts], passes)
         self._keep_and_record(batch, terms, entropies, rows, "train")
         return terms.loss / self.current_gradient_accumulation_steps
 
-    def _passes(
-        self, model: nn.Module, batch: RolloutBatch, rows: torch.Tensor | None, group_size: int | None = None
+    def _training_passes(
+        self, model: nn.Module, batch: RolloutBatch, rows: torch.Tensor | None, group_size: int | None
     ) -> list[torch.Tensor]:
-        """The batch's rows to pass (bool; None: all) in passes of at most max_tokens_per_micro_batch tokens (row
-        masks), a group's rows in one pass with ``group_size``; as many passes on every process, since a DDP model's
-        forward pass is a collective (it shares the model's buffers)."""
-        passes = self._logps.token_passes(model, batch, rows, group_size)
+        """The rows to train (bool; None: all) in passes of at most max_tokens_per_micro_batch tokens (row masks), a
+        group's rows in one pass with ``group_size``; as many passes on every process, since the training model's
+        forward pass is a collective under DDP (it shares the model's buffers)."""
+        with self._failures_reach_every_process("cutting the micro-step into passes"):
+            passes = self._logps.token_passes(model, batch, rows, group_size)
         if self.accelerator.num_processes > 1:
             count = torch.tensor([len(passes)], device=self.accelerator.device)
             most = int(self.accelerator.gather(count).max())
@@ -731,7 +772,8 @@ class TargetPOTrainer(Trainer):
             entropy_grad = self._loss.entropy_bonus is not None
             router_aux_loss = self._loss.router_aux_loss_coef is not None
             if self._token_budget is not None and not torch.is_grad_enabled():  # evaluation: passes, then one loss
-                passes = self._passes(model, inputs, rows)
+                # (with the model unwrapped, as the Trainer evaluates: its forward is no collective)
+                passes = self._logps.token_passes(model, inputs, rows)
                 return self._logps.by_passes(model, inputs, passes, with_entropy=True, router_aux_loss=router_aux_loss)
             return self._logps(model, inputs, True, rows, entropy_grad, router_aux_loss)
 

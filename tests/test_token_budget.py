@@ -6,15 +6,19 @@ gradients. Each budgeted run is checked to have run several passes per micro-ste
 are counted), so the comparison is not between two single-pass runs.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 from datasets import Dataset
-from split_group_workers import NUM_GENERATIONS, PROMPTS, train, two_process_worker
+from split_group_workers import NUM_GENERATIONS, PROMPTS, FixedCompletions, letter_score, train, two_process_worker
 from test_distributed import free_port
 from test_split_groups import assert_same_weights_after_every_step, assert_steps_move_the_weights, logged_losses
 
-from targetpo import TargetPOConfig
+from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
+from targetpo.generation import Completions
 from targetpo.token_budget import check_budget_fits, pass_tokens, plan_passes
 
 # Prompts of at most 12 tokens and completions of at most 5 (split_group_workers): one sequence is at most 17 tokens.
@@ -49,9 +53,9 @@ def test_a_groups_rows_share_a_pass():
 
 
 def test_a_unit_the_budget_cannot_hold_is_refused():
-    with pytest.raises(ValueError, match="cannot hold row 1"):
+    with pytest.raises(ValueError, match=r"cannot hold the row 1 \(10 tokens\)"):
         plan_passes([1, 9], [1, 1], range(2), budget=8, packed=True)
-    with pytest.raises(ValueError, match="a prompt group's rows"):
+    with pytest.raises(ValueError, match=r"prompt group of rows \[0, 1, 2, 3\] \(8 tokens\)"):
         plan_passes([1] * 4, [1] * 4, range(4), budget=6, packed=True, group_size=4)
 
 
@@ -132,6 +136,40 @@ def test_skipped_rows_stay_exact_in_passes(tmp_path, budget):
     assert budgeted.forwards_with_gradient > reference.forwards_with_gradient
 
 
+class FixedCompletionsWithSamplerLogps(FixedCompletions):
+    """The fixed completions with the sampling engine's log-probs of their tokens, as vLLM reports them (values that
+    differ from the trainer's, so the importance weights are not 1)."""
+
+    def generate(self, prompt_ids, prompt_mask):
+        completions = super().generate(prompt_ids, prompt_mask)
+        positions = torch.arange(completions.ids.size(1), dtype=torch.float32)
+        logps = -(1.0 + 0.3 * positions + 0.1 * (completions.ids % 3)).float()
+        return dataclasses.replace(completions, sampler_logps=logps * completions.attention_mask)
+
+
+def with_sampler_logps(trainer):
+    """vLLM is the boundary here: its engine cannot run in these tests, so its log-probs come from the fixed
+    completions and the correction is switched on by hand, as use_vllm=True with vllm_importance_sampling_correction
+    would."""
+    trainer.rollout_backend = FixedCompletionsWithSamplerLogps(trainer.processing_class, 0)
+    trainer._importance_sampling = True
+
+
+def test_importance_weights_of_rows_a_first_use_skips_reach_their_later_uses(tmp_path):
+    """TPO, one group of equal scores: skipped at the rollout's weights, trained at moved ones (second epoch) with the
+    importance weights the first use built from the rollout's old log-probs for every row."""
+    settings = dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, **PROMPT_LIMIT)
+    runs = {}
+    for name, budget in (("one_pass", None), ("passes", 40)):
+        runs[name] = train(str(tmp_path / name), "letter_score_but_cat_ties", max_tokens_per_micro_batch=budget,
+                           on_trainer=with_sampler_logps, **settings)
+    assert logged(runs["passes"], "completions/skipped_fraction")[0] > 0
+    assert logged(runs["one_pass"], "vllm/importance_weight_mean")[0] != pytest.approx(1.0)
+    assert_same_weights_after_every_step(runs["passes"].recorded, runs["one_pass"].recorded)
+    for name in ("vllm/importance_weight_mean", "vllm/logp_abs_diff"):
+        assert logged(runs["passes"], name) == pytest.approx(logged(runs["one_pass"], name), rel=1e-5)
+
+
 def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
     settings = dict(per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=1, **PROMPT_LIMIT)
     losses = []
@@ -141,10 +179,48 @@ def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
-def test_a_budget_below_one_sequence_is_refused_before_training(tmp_path):
+@pytest.mark.parametrize("loss_type", ["tpo", "grpo"])
+def test_a_budget_below_one_sequence_is_refused_before_training(tmp_path, loss_type):
     with pytest.raises(ValueError, match="cannot hold one whole sequence of up to 17 tokens"):
         train(str(tmp_path), max_tokens_per_micro_batch=16, per_device_train_batch_size=8, max_steps=1,
-              **PROMPT_LIMIT)
+              loss_type=loss_type, **PROMPT_LIMIT)
+
+
+class LongerCompletions(FixedCompletions):
+    """Completions 10 tokens longer than max_completion_length, as a rollout_func may return them (bounded only by
+    the model's positions)."""
+
+    def generate(self, prompt_ids, prompt_mask):
+        completions = super().generate(prompt_ids, prompt_mask)
+        extra = torch.full((completions.ids.size(0), 10), self.letters[0])
+        ids = torch.cat([extra, completions.ids], dim=1)
+        mask = torch.cat([torch.ones_like(extra), completions.attention_mask], dim=1)
+        return Completions(ids, mask, completions.truncated)
+
+
+def test_a_rollout_with_a_sequence_the_budget_cannot_hold_stops_at_the_rollout(tmp_path):
+    def longer(trainer):
+        trainer.rollout_backend = LongerCompletions(trainer.processing_class, 0)
+
+    with pytest.raises(ValueError, match=r"cannot hold the row \d+ \(2\d tokens\)") as raised:
+        train(str(tmp_path), loss_type="grpo", max_tokens_per_micro_batch=20, per_device_train_batch_size=8,
+              max_steps=1, on_trainer=longer, **PROMPT_LIMIT)
+    assert any(entry.name == "_finish_rollout" for entry in raised.traceback)  # before any pass
+
+
+def test_an_overridden_compute_loss_is_refused_with_a_budget(tmp_path):
+    class OwnLoss(TargetPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    tokenizer = build_char_tokenizer()
+    args = TargetPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,
+                          max_completion_length=4, max_prompt_length=8, max_tokens_per_micro_batch=64,
+                          report_to="none", use_cpu=True)
+    model = build_tiny_causal_lm(tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0)
+    with pytest.raises(ValueError, match="OwnLoss overrides compute_loss, which max_tokens_per_micro_batch"):
+        OwnLoss(model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                processing_class=tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +229,8 @@ def test_a_budget_below_one_sequence_is_refused_before_training(tmp_path):
         (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5 ranks"),
         (dict(entropy_coef=0.01, off_policy_mask_threshold=0.5), "off_policy_mask_threshold decides pass by pass"),
         (dict(optim="lomo"), "optim=lomo updates the weights inside each backward pass"),
+        (dict(optim="galore_adamw_layerwise", optim_target_modules=["mlp"]),
+         "optim=galore_adamw_layerwise updates the weights inside each backward pass"),
     ],
 )
 def test_settings_that_need_the_whole_micro_step_at_once_are_refused(tmp_path, settings, refused):
