@@ -58,6 +58,7 @@ each trains ``--num_iterations`` optimiser steps.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import contextlib
 import fcntl
 import json
@@ -74,7 +75,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-import trl  # noqa: E402
 from learning_efficiency import METHODS, make_trainer  # noqa: E402
 from paper_task import (  # noqa: E402
     bit_tokenizer,
@@ -227,7 +227,7 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
 
 def environment() -> dict:
     """Versions and machine, for the record."""
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
             "targetpo": targetpo.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "machine": platform.machine(), "date": time.strftime("%Y-%m-%d")}
 
@@ -386,6 +386,14 @@ def report(records: list[dict], output: Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------- main
+def _version(package: str) -> str | None:
+    """An installed package's version; None where it is not installed (trl runs only the ``trl-grpo`` method)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     args = parse_args()
     output = Path(args.output)
