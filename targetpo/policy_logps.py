@@ -170,13 +170,13 @@ class PolicyLogps:
         return self._packs(model, rows_tensors, with_images=batch.get("pixel_inputs") is not None)
 
     def token_passes(
-        self, model: nn.Module, batch: Any, rows: torch.Tensor | None, group_size: int | None = None, at_least: int = 1
+        self, model: nn.Module, batch: Any, rows: torch.Tensor | None, group_size: int | None = None
     ) -> list[torch.Tensor]:
         """``rows`` of ``batch`` (bool; None: all) cut into passes of at most ``token_budget`` tokens, as row masks
         (``token_budget.pass_row_masks``); with ``group_size`` a group's rows share a pass."""
         packed = self.packs(model, batch)
         prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_attention_mask"]
-        return pass_row_masks(prompt_mask, completion_mask, rows, self.token_budget, packed, group_size, at_least)
+        return pass_row_masks(prompt_mask, completion_mask, rows, self.token_budget, packed, group_size)
 
     def by_passes(self, model: nn.Module, batch: Any, passes: list[torch.Tensor], **settings: Any) -> TokenLogps:
         """:meth:`__call__` over each pass's rows (bool masks), put together and detached (for passes without

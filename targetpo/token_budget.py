@@ -93,15 +93,14 @@ def pass_row_masks(
     budget: int,
     packed: bool,
     group_size: int | None = None,
-    at_least: int = 1,
 ) -> list[torch.Tensor]:
-    """The passes over ``rows`` (bool; None: every row) as bool row masks, at least ``at_least`` of them: passes with
-    no rows are added to reach it (a pass with no rows still runs the model, see ``PolicyLogps``)."""
+    """The passes over ``rows`` (bool; None: every row) as bool row masks; one without rows when there are none (a
+    pass with no rows still runs the model, see ``PolicyLogps``)."""
     prompt_lengths = prompt_mask.sum(dim=-1).tolist()
     completion_lengths = completion_attention_mask.sum(dim=-1).tolist()
     chosen = range(len(prompt_lengths)) if rows is None else rows.nonzero().squeeze(-1).tolist()
     plan = plan_passes(prompt_lengths, completion_lengths, chosen, budget, packed, group_size)
-    plan += [[] for _ in range(at_least - len(plan))]
+    plan = plan or [[]]
     masks = []
     for members in plan:
         mask = torch.zeros(len(prompt_lengths), dtype=torch.bool, device=prompt_mask.device)

@@ -725,10 +725,10 @@ class TargetPOTrainer(Trainer):
         forward pass is a collective under DDP (it shares the model's buffers)."""
         with self._failures_reach_every_process("cutting the micro-step into passes"):
             passes = self._logps.token_passes(model, batch, rows, group_size)
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.num_processes > 1:  # passes without rows make up the count (one short row, zero loss)
             count = torch.tensor([len(passes)], device=self.accelerator.device)
             most = int(self.accelerator.gather(count).max())
-            passes = self._logps.token_passes(model, batch, rows, group_size, at_least=most)
+            passes += [torch.zeros_like(passes[0]) for _ in range(most - len(passes))]
         return passes
 
     def _loss_of_rows(
