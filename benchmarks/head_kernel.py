@@ -6,7 +6,7 @@ position's token and its entropy (a metric, without gradient) at a sampling temp
 weighted sum of the log-probs to the hidden states and the head's weight:
 
 * ``torch``: targetpo's chunked head (``logps_chunk_size`` positions at a time), float32 logits and a written-out
-  backward pass (``_LinearHeadLogps``); it runs in the head's own dtype, outside autocast.
+  backward pass (``_LinearHeadLogps``); its matrix products run in the head's dtype (autocast's under autocast).
 * ``triton``: the same chunks through ``targetpo/modeling/triton_head.py``: the logits in the head's dtype (autocast's
   under autocast), read by fused kernels with float32 arithmetic, in forward and backward.
 * ``trl``: the full ``(N, V)`` logits by ``nn.Linear``, divided by the temperature, then TRL's
@@ -15,7 +15,7 @@ weighted sum of the log-probs to the hidden states and the head's weight:
 
 Two settings: ``bf16`` (weights and hidden states in bf16, as a model loaded in bf16) and
 ``fp32_master_bf16_autocast`` (float32 weights and hidden states under ``torch.autocast(bfloat16)``, as
-``bf16=True`` with float32 master weights; the torch head ignores autocast). For each: the median time of forward +
+``bf16=True`` with float32 master weights, where every head's matrix products run in bf16). For each: the median time of forward +
 backward, the peak memory above what was allocated before (CUDA), their ratios to TRL's, and how far each head's
 log-probs, entropies and gradients are from the torch head's.
 

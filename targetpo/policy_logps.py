@@ -7,10 +7,11 @@ what to feed them, and whether rows go through the model packed (``padding_free`
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, ContextManager, NamedTuple
 
 import torch
 from torch import nn
@@ -54,6 +55,7 @@ class PolicyLogps:
         padding_free: bool = False,
         head_kernel: str = "torch",
         token_budget: int | None = None,
+        autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     ):
         self.temperature = temperature
         self.suppressed_token_ids = suppressed_token_ids  # tokens sampling never picks get no probability here either
@@ -64,6 +66,9 @@ class PolicyLogps:
         self.padding_free = padding_free
         self.head_kernel = head_kernel
         self.token_budget = token_budget  # max_tokens_per_micro_batch: the passes without gradient are cut by it too
+        # The mixed precision the model's forward runs under (the accelerator's): a chunked head, called outside the
+        # forward, then computes as the model's own head would, in bf16 under bf16=True with float32 master weights.
+        self.autocast = autocast
         self._model_packing_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> str | None
         self._noted: set[tuple[str, str]] = set()  # the reasons a warning has given
 
@@ -82,6 +87,7 @@ class PolicyLogps:
         padding_free: bool = False,
         head_kernel: str = "torch",
         token_budget: int | None = None,
+        autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> PolicyLogps:
         """The settings that fit ``model`` (as the trainer wraps it): chunks, Liger and the Triton head only where
         they are exact."""
@@ -105,6 +111,7 @@ class PolicyLogps:
             padding_free,
             head_kernel,
             token_budget,
+            autocast,
         )
 
     def __call__(
@@ -144,20 +151,22 @@ class PolicyLogps:
             "liger": self.liger,
             "head_kernel": self.head_kernel,
         }
-        if self._packs(model, rows_tensors, with_images=pixel_inputs is not None):
-            results = packed_completion_logps(model, *rows_tensors, **settings)
-        else:
-            results = completion_logps(
-                model,
-                *rows_tensors,
-                image_inputs=image_inputs,
-                prompt_aligned=prompt_aligned,
-                completion_aligned=completion_aligned,
-                # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
-                use_position_ids=self.use_position_ids
-                and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
-                **settings,
-            )
+        packed = self._packs(model, rows_tensors, with_images=pixel_inputs is not None)
+        with self.autocast():
+            if packed:
+                results = packed_completion_logps(model, *rows_tensors, **settings)
+            else:
+                results = completion_logps(
+                    model,
+                    *rows_tensors,
+                    image_inputs=image_inputs,
+                    prompt_aligned=prompt_aligned,
+                    completion_aligned=completion_aligned,
+                    # A model with multimodal rotary positions numbers a prompt with images itself, as generation did.
+                    use_position_ids=self.use_position_ids
+                    and not (image_inputs and any(key in image_inputs for key in SELF_POSITIONED_KEYS)),
+                    **settings,
+                )
         logps, entropies = results[:2]
         aux_loss = results[2] if router_aux_loss else None
         if selected is not None:

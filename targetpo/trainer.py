@@ -380,6 +380,7 @@ class TargetPOTrainer(Trainer):
             padding_free=args.padding_free,
             head_kernel=args.logps_head_kernel,
             token_budget=args.max_tokens_per_micro_batch,
+            autocast=self.accelerator.autocast,
         )
         self._split_groups = None
         if self._groups_split:

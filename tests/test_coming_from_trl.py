@@ -307,10 +307,16 @@ def tiny_bf16_qwen2(tokenizer, tie_word_embeddings):
     return Qwen2ForCausalLM(config).to(torch.bfloat16)
 
 
-def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_path, tokenizer, prompt_dataset):
+#: Without mixed precision, and under bf16=True, whose autocast would run a plain nn.Linear head in bf16.
+MIXED_PRECISION = pytest.mark.parametrize("bf16", [False, True], ids=["no-autocast", "bf16-autocast"])
+
+
+@MIXED_PRECISION
+def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_path, tokenizer, prompt_dataset, bf16):
     model = tiny_bf16_qwen2(tokenizer, tie_word_embeddings=False)
     reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
-    args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer))
+    args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer),
+                       bf16=bf16, use_cpu=not torch.cuda.is_available())
     trainer = TargetPOTrainer(model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert trainer.ref_model.lm_head.weight.dtype == torch.float32  # the reference has the same head
@@ -321,8 +327,9 @@ def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_pat
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_attention_mask"]], dim=1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
+    with torch.no_grad(), trainer.accelerator.autocast():
         hidden = model.model(input_ids=ids, attention_mask=attention, position_ids=positions).last_hidden_state
+    with torch.no_grad():
         logits = hidden[:, batch["prompt_ids"].size(1) - 1 : -1].float() @ model.lm_head.weight.T
     suppressed = trainer._logps.suppressed_token_ids
     logits[..., suppressed] = float("-inf")
@@ -336,14 +343,27 @@ def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_pat
     assert (bf16[mask] - expected[mask]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_cast_lm_head_to_fp32_refuses_a_head_it_would_bypass(tokenizer, tied):
+    from targetpo.modeling.loading import cast_output_head_to_fp32
+
+    model = tiny_bf16_qwen2(tokenizer, tie_word_embeddings=tied)
+    model.lm_head.__class__ = type("QuantisedHead", (torch.nn.Linear,), {})  # its own forward, which a cast replaces
+    with pytest.raises(ValueError, match="needs a plain torch.nn.Linear output head, got QuantisedHead. Set "
+                                         "cast_lm_head_to_fp32=False"):
+        cast_output_head_to_fp32(model)
+    assert model.lm_head.weight.dtype == torch.bfloat16  # refused before anything changed
+
+
+@MIXED_PRECISION
 def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf16_weight(
-    tmp_path, tokenizer, prompt_dataset
+    tmp_path, tokenizer, prompt_dataset, bf16
 ):
     model = tiny_bf16_qwen2(tokenizer, tie_word_embeddings=True)
     embeddings = model.model.embed_tokens.weight
     reward = lambda completions, **kw: [float(c.count("a")) for c in completions]  # noqa: E731
     args = make_config(tmp_path, cast_lm_head_to_fp32=True, beta=0.1, generation_kwargs=few_letters(tokenizer),
-                       learning_rate=0.05)
+                       learning_rate=0.05, bf16=bf16, use_cpu=not torch.cuda.is_available())
     trainer = TargetPOTrainer(model, reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
     # The head still shares the embeddings, which keep their dtype; the reference's head is tied and cast the same way.
     assert model.lm_head.weight is embeddings and embeddings.dtype == torch.bfloat16
@@ -356,7 +376,7 @@ def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_attention_mask"]], dim=1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
+    with torch.no_grad(), trainer.accelerator.autocast():
         hidden = model.model(input_ids=ids, attention_mask=attention, position_ids=positions).last_hidden_state
 
     def by_hand(logits):

@@ -159,6 +159,49 @@ def test_the_linear_heads_gradient_is_the_closed_form(entropy_grad):
     close(head.bias.grad, dz.sum(0))
 
 
+def test_under_autocast_the_written_out_head_computes_as_the_linear_layer_would():
+    """Float32 master weights under bf16 autocast (``bf16=True``): the head's matrix products run in bf16, as
+    ``nn.Linear``'s do, forward and backward; its log-probs, entropies and gradients (float32, in the weights' dtype)
+    equal autograd's through the layer under the same autocast."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width, vocab, temperature, suppressed = 24, 16, 300, 0.7, torch.tensor([2, 7])
+    head = torch.nn.Linear(width, vocab)
+    torch.nn.init.normal_(head.weight, generator=generator)  # logits of a few units: bf16 rounding shows in them
+    torch.nn.init.normal_(head.bias, generator=generator)
+    hidden = torch.randn(rows, width, generator=generator)
+    tokens = torch.tensor([token + 1 if token in (2, 7) else token for token in range(0, 10 * rows, 10)])
+    logp_grad, entropy_grad_in = torch.randn(2, rows, generator=generator)
+
+    def computed(by_hand):
+        head.zero_grad()
+        x = hidden.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if by_hand:  # autograd through the layer, as the model's own forward computes its head
+                log_p = (head(x).float() / temperature).index_fill(-1, suppressed, -math.inf).log_softmax(-1)
+                logps = log_p.gather(-1, tokens[:, None]).squeeze(-1)
+                entropies = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+            else:  # the written-out backward pass, in chunks of 8 rows
+                logps, entropies = _head_in_chunks(head, x, tokens, temperature, suppressed, 8, True, True)
+                assert logps.grad_fn.next_functions[0][0].name() == "_LinearHeadLogpsBackward"
+        ((logps * logp_grad).sum() + (entropies * entropy_grad_in).sum()).backward()
+        return logps.detach(), entropies.detach(), x.grad, head.weight.grad.clone(), head.bias.grad.clone()
+
+    logps, entropies, hidden_grad, weight_grad, bias_grad = computed(by_hand=False)
+    expected = computed(by_hand=True)
+    assert weight_grad.dtype == bias_grad.dtype == hidden_grad.dtype == torch.float32
+    torch.testing.assert_close(logps, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies, expected[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden_grad, expected[2], rtol=1e-5, atol=1e-5)
+    for actual, reference in ((weight_grad, expected[3]), (bias_grad, expected[4])):
+        # Each chunk's gradient is rounded to bf16 before they add up (autograd rounds the sum once): one bf16 step
+        # apart. A float32 backward pass is tens of steps off.
+        assert (actual - reference).abs().max() < 1e-2 * reference.abs().max()
+    with torch.no_grad():  # the same head in float32 (autocast ignored) is far off
+        logits = (hidden @ head.weight.T + head.bias) / temperature
+        in_float32 = logits.index_fill(-1, suppressed, -math.inf).log_softmax(-1).gather(-1, tokens[:, None])
+    assert (in_float32.squeeze(-1) - logps).abs().max() > 1e-2
+
+
 def test_the_written_out_head_keeps_float32_entropies_of_sharp_distributions_exact():
     # Large logits over a large vocabulary: lse - sum(p z) would cancel away float32 digits; -sum(p log p) does not.
     generator = torch.Generator().manual_seed(0)

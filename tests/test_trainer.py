@@ -15,6 +15,7 @@ import targetpo.policy_logps as policy_logps_module
 from targetpo import TargetPOTrainer
 from targetpo import functional as F
 from targetpo.demo import build_tiny_causal_lm
+from targetpo.modeling.logps import completion_logps, packed_completion_logps
 from targetpo.objectives import TargetObjective
 from targetpo.rollout.records import RolloutBatch
 
@@ -686,6 +687,32 @@ def test_bf16_weights_train_under_bf16_mixed_precision(tmp_path, tiny_model, tok
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert changed(before, model)
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_under_bf16_mixed_precision_the_chunked_head_computes_as_the_models_own_head(
+    tmp_path, tiny_model, tokenizer, prompt_dataset, padding_free
+):
+    # Float32 master weights under bf16=True: the model's forward, its output head included, runs under autocast. The
+    # chunked head runs outside that forward, and computes in bf16 all the same: logps_chunk_size changes memory, not
+    # precision.
+    args = make_config(tmp_path, bf16=True, padding_free=padding_free, use_cpu=not torch.cuda.is_available())
+    trainer = TargetPOTrainer(
+        tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer._logps.chunk_size == 512
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    rows = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+    settings = {"temperature": args.temperature, "suppressed_token_ids": trainer._logps.suppressed_token_ids}
+    whole_logits = packed_completion_logps if padding_free else completion_logps
+    with torch.no_grad():
+        logps, _ = trainer._token_logps(trainer.model, batch)
+        with trainer.accelerator.autocast():  # as accelerate wraps the forward of the model it prepares
+            expected, _ = whole_logits(tiny_model, *rows, chunk_size=None, **settings)
+        in_float32, _ = whole_logits(tiny_model, *rows, chunk_size=None, **settings)
+    mask = batch["completion_attention_mask"].bool()
+    torch.testing.assert_close(logps[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert (in_float32[mask] - expected[mask]).abs().max() > 1e-3  # a float32 head is far off
 
 
 # ------------------------------------------------------------------------------------------------ inputs refused early

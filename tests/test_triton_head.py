@@ -109,7 +109,7 @@ def test_where_the_triton_head_cannot_apply_a_warning_says_why_and_torch_compute
         with pytest.warns(UserWarning, match=f"logps_head_kernel='triton': .*torch instead because {reason}"):
             assert logps_settings(tiny_model, **settings).head_kernel == "torch"
     head = tiny_model.get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda module, args: None)  # as cast_lm_head_to_fp32 on an untied head
+    handle = head.register_forward_pre_hook(lambda module, args: None)  # as offloading hooks do
     with pytest.warns(UserWarning, match="has hooks or a replaced forward"):
         assert logps_settings(tiny_model).head_kernel == "torch"
     handle.remove()
@@ -120,7 +120,7 @@ def test_where_the_triton_head_cannot_apply_a_warning_says_why_and_torch_compute
     tiny_model.config.final_logit_softcapping = 30.0
     assert "post-processes its logits" in triton_head_problem(tiny_model)
     tiny_model.config.final_logit_softcapping = None
-    cast_output_head_to_fp32(tiny_model)  # a tied head: a Float32OutputHead, computed in float32 from bf16 weights
+    cast_output_head_to_fp32(tiny_model)  # a Float32OutputHead, computed in float32 (tied or not)
     assert "is a Float32OutputHead, not a plain torch.nn.Linear" in triton_head_problem(tiny_model)
 
 

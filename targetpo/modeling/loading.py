@@ -160,39 +160,39 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
 
 
 class Float32OutputHead(nn.Linear):
-    """A linear output head that computes in float32 from weights kept in their own dtype.
+    """A linear output head that computes in float32, from float32 inputs, under autocast too (which would run an
+    ``nn.Linear`` in bf16 under ``bf16=True``).
 
-    ``cast_lm_head_to_fp32`` gives a head tied to the input embeddings this class: casting the shared weight would
-    cast the embeddings too, so the cast happens inside each forward pass, and the gradient reaches the shared weight
-    in its own dtype.
+    ``cast_lm_head_to_fp32`` gives the head this class. A head tied to the input embeddings keeps the shared weight in
+    its dtype (casting it would cast the embeddings too): the cast happens inside each forward pass, and the gradient
+    reaches the shared weight in its own dtype.
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
-        return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
 
 def cast_output_head_to_fp32(model: nn.Module) -> None:
     """Compute the output head in float32, feeding it float32 hidden states; the rest keeps its precision.
 
-    Its logits, and so the token log-probs, are then computed in float32 even when the model runs in bf16. An untied
-    head keeps float32 weights; a head tied to the input embeddings keeps sharing them in their dtype and becomes a
-    :class:`Float32OutputHead`.
+    Its logits, and so the token log-probs, are then computed in float32 even when the model runs in bf16, under
+    autocast too. The head becomes a :class:`Float32OutputHead`: an untied one with float32 weights, a head tied to
+    the input embeddings still sharing them in their dtype.
     """
     base = model.get_base_model() if is_peft_model(model) else model
     head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError("cast_lm_head_to_fp32=True needs a model with an output head (`get_output_embeddings()`).")
-    if embeddings is not None and head.weight is embeddings.weight:
-        if type(head) is not nn.Linear:
-            raise ValueError(
-                f"cast_lm_head_to_fp32=True with an output head tied to the input embeddings needs a plain "
-                f"torch.nn.Linear head, got {type(head).__name__}. Set cast_lm_head_to_fp32=False."
-            )
-        head.__class__ = Float32OutputHead  # a class, not a patched forward, so copies (the reference) keep it
-        return
-    head.float()
-    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    if type(head) is not nn.Linear:  # its forward is replaced by a float32 nn.Linear's, which would bypass theirs
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True needs a plain torch.nn.Linear output head, got {type(head).__name__}. Set "
+            "cast_lm_head_to_fp32=False."
+        )
+    if embeddings is None or head.weight is not embeddings.weight:
+        head.float()
+    head.__class__ = Float32OutputHead  # a class, not a patched forward, so copies (the reference) keep it
 
 
 @torch.no_grad()

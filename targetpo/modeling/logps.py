@@ -141,14 +141,13 @@ def triton_head_problem(model: nn.Module) -> str | None:
     if not supports_chunked_head(model):
         return "the model post-processes its logits after the output head"
     head = _output_head(model)
-    if type(head) is not nn.Linear:  # e.g. a LoRA-adapted or quantised head, or cast_lm_head_to_fp32's tied head
+    if type(head) is not nn.Linear:  # e.g. a LoRA-adapted or quantised head, or cast_lm_head_to_fp32's
         return f"the output head is a {type(head).__name__}, not a plain torch.nn.Linear"
     if head.weight.dtype not in HEAD_DTYPES:
         return f"the output head's weights are {head.weight.dtype}, which the kernels would round to float32"
     if not _is_plain_linear_head(head):
         return (
-            "the output head has hooks or a replaced forward (cast_lm_head_to_fp32 on an untied head, offloading, "
-            "sharding) or a weight held elsewhere"
+            "the output head has hooks or a replaced forward (offloading, sharding) or a weight held elsewhere"
         )
     return None
 
@@ -224,12 +223,14 @@ class _LinearHeadLogps(torch.autograd.Function):
     would) and writes their gradient directly: ``d log p_y / dz = onehot(y) - p`` and ``dH / dz = -p (log p + H)``,
     both divided by ``T``. Autograd through the same operations keeps several float32 ``(N, V)`` intermediates and,
     under checkpointing, recomputes all of them, the logged entropy included; on a GPU those elementwise passes, not
-    the matrix products, take most of the head's time.
+    the matrix products, take most of the head's time. The matrix products run in autocast's dtype under autocast,
+    as ``nn.Linear``'s would (:func:`matmul_dtype`).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, token_ids, temperature, suppressed, with_entropy, entropy_grad):
-        logits = _linear_head_logits(hidden, weight, bias, temperature, suppressed)
+        ctx.dtype = matmul_dtype(hidden.device, weight)
+        logits = _linear_head_logits(hidden, weight, bias, ctx.dtype, temperature, suppressed)
         lse = torch.logsumexp(logits, dim=-1)
         logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
         if with_entropy:
@@ -253,7 +254,8 @@ class _LinearHeadLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, bias, token_ids, suppressed, lse, entropy = ctx.saved_tensors
-        log_probs = _linear_head_logits(hidden, weight, bias, ctx.temperature, suppressed).sub_(lse.unsqueeze(-1))
+        logits = _linear_head_logits(hidden, weight, bias, ctx.dtype, ctx.temperature, suppressed)
+        log_probs = logits.sub_(lse.unsqueeze(-1))
         if ctx.entropy_grad and grad_entropy is not None:
             # -p (g_logp + g_H (log p + H))
             factor = log_probs + entropy.unsqueeze(-1)
@@ -267,18 +269,28 @@ class _LinearHeadLogps(torch.autograd.Function):
             grad.index_fill_(-1, suppressed, 0.0)
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        grad = grad.to(weight.dtype)  # as autograd hands the float32 cast's gradient back to the head's dtype
-        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ hidden.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        grad = grad.to(ctx.dtype)  # as autograd hands the float32 cast's gradient back to the product's dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            grad_hidden = (grad @ weight.to(ctx.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+            grad_weight = (grad.t() @ hidden.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _linear_head_logits(hidden, weight, bias, temperature, suppressed) -> torch.Tensor:
-    """The float32 :func:`_sampled_logits` of a linear head computed in its own dtype (as in backward, where no
-    autocast applies)."""
+def matmul_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a linear head's matrix products run in: autocast's where it is on (as ``nn.Linear`` would run, so
+    float32 master weights under ``bf16=True`` compute in bf16), else the weight's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weight.dtype
+
+
+def _linear_head_logits(hidden, weight, bias, dtype, temperature, suppressed) -> torch.Tensor:
+    """The float32 :func:`_sampled_logits` of a linear head whose matrix product runs in ``dtype`` (fixed in forward:
+    backward, where no autocast applies, recomputes them in the same one)."""
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = nn.functional.linear(hidden, weight, bias).float()
+        bias = None if bias is None else bias.to(dtype)
+        logits = nn.functional.linear(hidden.to(dtype), weight.to(dtype), bias).float()
     return _sampled_logits(logits, temperature, suppressed, in_place=True)  # a fresh tensor, outside autograd
 
 
@@ -286,18 +298,20 @@ def _liger_head_logps(head: nn.Module, hidden_rows: torch.Tensor, token_rows: to
     """Token log-probs of ``(N, H)`` hidden states through Liger's fused linear cross-entropy kernel.
 
     The kernel computes the head and the log-softmax together, a block of rows at a time, in the forward and the
-    backward pass: the log-prob of the given token is minus its per-token cross-entropy.
+    backward pass: the log-prob of the given token is minus its per-token cross-entropy. It computes in the weight's
+    dtype, outside autocast: its kernels take the weight as they are given it.
     """
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     weight, bias = head.weight, head.bias
-    if isinstance(head, Float32OutputHead):  # a tied head under cast_lm_head_to_fp32: float32 from the shared weight
+    if isinstance(head, Float32OutputHead):  # cast_lm_head_to_fp32: float32, from a tied head's shared weight too
         weight, bias = weight.float(), None if bias is None else bias.float()
     hidden_rows = hidden_rows.to(weight.dtype)  # a float32 head (cast_lm_head_to_fp32) gets float32 inputs
     if temperature != 1.0:  # (W h + b) / T == W (h / T) + b / T
         hidden_rows = hidden_rows / temperature
         bias = bias / temperature if bias is not None else None
-    losses = liger_fused_linear_cross_entropy(hidden_rows, weight, token_rows, bias=bias, reduction="none")
+    with torch.autocast(hidden_rows.device.type, enabled=False):
+        losses = liger_fused_linear_cross_entropy(hidden_rows, weight, token_rows, bias=bias, reduction="none")
     return -losses.float()
 
 
@@ -414,7 +428,7 @@ def _head_logps_of_positions(
     weight = getattr(head, "weight", None)
     if weight is not None and weight.dtype in HEAD_DTYPES and hidden_rows.dtype != weight.dtype:
         # Mixed precision (bf16=True) hands back the model's outputs, hidden states too, in float32: the head runs
-        # outside the model's forward, so its inputs take its own dtype.
+        # outside the model's forward, so its inputs take its own dtype (and, under autocast, autocast's after that).
         hidden_rows = hidden_rows.to(weight.dtype)
     if liger and hidden_rows.size(0) > 0:
         flat_logps = _liger_head_logps(head, hidden_rows, token_rows, temperature)

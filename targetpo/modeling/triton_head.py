@@ -21,6 +21,8 @@ import triton.language as tl
 from torch import nn
 from triton.runtime.interpreter import InterpretedFunction
 
+from .logps import matmul_dtype
+
 #: The most vocabulary entries one kernel step reads from a row.
 MAX_BLOCK = 4096
 #: Devices whose tensors Triton's compiled kernels take (ROCm GPUs are "cuda" devices in torch).
@@ -204,14 +206,6 @@ def logits_grad_(
     return logits
 
 
-def _matmul_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the head's matrix products run in: autocast's where it is on (as it would run ``nn.Linear``), else
-    the weight's."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return weight.dtype
-
-
 def _head_logits(hidden, weight, bias, dtype, suppressed) -> torch.Tensor:
     """The head's ``(N, V)`` logits in ``dtype``, suppressed tokens at ``-inf``: a fresh tensor, outside autograd."""
     with torch.autocast(hidden.device.type, enabled=False):
@@ -233,7 +227,7 @@ class _TritonLinearHeadLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, token_ids, temperature, suppressed, with_entropy, entropy_grad, block_size):
-        dtype = _matmul_dtype(hidden.device, weight)
+        dtype = matmul_dtype(hidden.device, weight)
         logits = _head_logits(hidden, weight, bias, dtype, suppressed)
         stats = logits_stats(logits, token_ids, temperature, block_size)
         del logits
