@@ -47,7 +47,9 @@ What differs from the paper:
 Every finished run is appended to ``--output`` (a JSON file, under a lock, so runs of separate invocations merge);
 a run already in the file is not run again. ``--report_only`` writes the tables beside the paper's numbers and two
 plots (error against H, against K) next to the file. ``--steps`` is the number of rollouts (2,000 in the paper);
-each trains ``--num_iterations`` optimiser steps.
+each trains ``--num_iterations`` optimiser steps. ``--jobs N`` runs N at a time, each in a process of its own (one
+thread each: one per core); ``--device cuda`` trains on one GPU, in float32 as on the CPU, where several runs can
+share the GPU (``--jobs``).
 
     python benchmarks/paper_table3.py --lengths 7 8 --seeds 0 1 2 3 4
     python benchmarks/paper_table3.py --lengths 8 --num_generations 4 8 16 32 --prompts_per_step 256 \\
@@ -58,14 +60,18 @@ each trains ``--num_iterations`` optimiser steps.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import concurrent.futures
 import contextlib
 import fcntl
+import importlib.metadata
+import io
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -110,7 +116,6 @@ SHARED_SETTINGS = dict(
     save_strategy="no",
     report_to="none",
     disable_tqdm=True,
-    use_cpu=True,
 )
 #: What each method sets on top. ``sync_ref_model`` with mixing weight 1 makes the KL reference the rollout's policy.
 METHOD_SETTINGS = {
@@ -136,9 +141,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval_every", type=int, default=100,
                         help="Rollouts between two exact evaluations of the expected error (0: only at the end).")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads. One by default: with a core busy elsewhere, a multi-threaded op of this "
-                        "small model waits on it; run one invocation per core instead.")
+                        help="torch threads per run. One by default: with a core busy elsewhere, a multi-threaded op "
+                        "of this small model waits on it; run one run per core instead (--jobs).")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="Runs at a time, each in a process of its own (one per core on a CPU; several share one "
+                        "GPU, since each is small).")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="Where the runs train: the CPU (float32), or one GPU (float32 too, so a run on either "
+                        "is the same measurement).")
     parser.add_argument("--output", default="docs/benchmarks/paper_table3.json")
+    parser.add_argument("--quiet", action="store_true",
+                        help="Print only each run's summary line: no training logs, no report.")
     parser.add_argument("--report_only", action="store_true", help="Only write the tables and plots of --output.")
     return parser.parse_args()
 
@@ -180,6 +193,7 @@ def run_settings(method: str, length: int, group_size: int, args: argparse.Names
         max_steps=args.steps * args.num_iterations,
         logging_steps=args.num_iterations,
         learning_rate=args.learning_rate,  # also the optimiser's own
+        use_cpu=args.device == "cpu",
         **METHOD_SETTINGS[method],
     )
     if settings.get("sync_ref_model"):
@@ -221,15 +235,16 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
         "seconds_per_step": round(train_seconds / args.steps, 4),
         "wall_seconds": round(time.perf_counter() - started, 2),
         "settings": {key: value for key, value in settings.items() if key != "output_dir"},
-        "environment": environment(),
+        "environment": environment(args.device),
     }
 
 
-def environment() -> dict:
+def environment(device: str) -> dict:
     """Versions and machine, for the record."""
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
             "targetpo": targetpo.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "machine": platform.machine(), "date": time.strftime("%Y-%m-%d")}
+            "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
 # --------------------------------------------------------------------------------------------- the records
@@ -394,27 +409,68 @@ def _version(package: str) -> str | None:
         return None
 
 
+def pending_runs(args: argparse.Namespace, output: Path) -> list[tuple[str, int, int, int]]:
+    """The (method, H, K, seed) runs asked for that ``output`` does not hold yet, in the order they run."""
+    runs = []
+    for length in args.lengths:
+        for group_size in args.num_generations:
+            for seed in args.seeds:
+                for method in args.methods:  # paired: the methods of a seed start from the same weights
+                    key = run_key({"method": method, "H": length, "K": group_size, "B": args.prompts_per_step,
+                                   "seed": seed, "steps": args.steps, "num_iterations": args.num_iterations,
+                                   "learning_rate": args.learning_rate})
+                    if any(run_key(record) == key for record in read_records(output)):
+                        print(f"already in {output}: {dict(zip(RUN_KEY, key))}", flush=True)
+                    else:
+                        runs.append((method, length, group_size, seed))
+    return runs
+
+
+def run_and_append(run: tuple[str, int, int, int], args: argparse.Namespace, output: Path) -> None:
+    """One run, its record appended to ``output``; prints the record's summary line."""
+    with contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext():  # the trainer's logs
+        record = train_once(*run, args)
+    with locked_records(output) as records:
+        records.append(record)
+    print(json.dumps({field: record[field] for field in (*RUN_KEY, "final_error", "expected_error",
+                                                         "seconds_per_step")}), flush=True)
+
+
+def run_in_processes(runs: list[tuple[str, int, int, int]], args: argparse.Namespace) -> None:
+    """Each run in a process of its own (this script, for that one run), ``args.jobs`` at a time: each appends its
+    record under the file's lock, as separate invocations do. A failed run is reported with the end of its output."""
+    shared = ["--steps", str(args.steps), "--prompts_per_step", str(args.prompts_per_step),
+              "--num_iterations", str(args.num_iterations), "--learning_rate", str(args.learning_rate),
+              "--eval_every", str(args.eval_every), "--threads", str(args.threads), "--device", args.device,
+              "--output", args.output, "--quiet"]
+
+    def one(run: tuple[str, int, int, int]) -> bool:
+        method, length, group_size, seed = run
+        command = [sys.executable, __file__, "--methods", method, "--lengths", str(length),
+                   "--num_generations", str(group_size), "--seeds", str(seed), *shared]
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(done.stdout.strip() if done.returncode == 0 else f"{run} failed:\n{done.stderr[-3000:]}", flush=True)
+        return done.returncode == 0
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        failed = [run for run, finished in zip(runs, pool.map(one, runs)) if not finished]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(runs)} runs failed: {failed}")
+
+
 def main() -> None:
     args = parse_args()
     output = Path(args.output)
     torch.set_num_threads(args.threads)
     if not args.report_only:
-        for length in args.lengths:
-            for group_size in args.num_generations:
-                for seed in args.seeds:
-                    for method in args.methods:  # paired: the methods of a seed start from the same weights
-                        key = run_key({"method": method, "H": length, "K": group_size, "B": args.prompts_per_step,
-                                       "seed": seed, "steps": args.steps, "num_iterations": args.num_iterations,
-                                       "learning_rate": args.learning_rate})
-                        if any(run_key(record) == key for record in read_records(output)):
-                            print(f"already in {output}: {dict(zip(RUN_KEY, key))}", flush=True)
-                            continue
-                        record = train_once(method, length, group_size, seed, args)
-                        with locked_records(output) as records:
-                            records.append(record)
-                        print(json.dumps({field: record[field] for field in (*RUN_KEY, "final_error",
-                                          "expected_error", "seconds_per_step")}), flush=True)
-    print(report(read_records(output), output))
+        runs = pending_runs(args, output)
+        if args.jobs > 1 and len(runs) > 1:
+            run_in_processes(runs, args)
+        else:
+            for run in runs:
+                run_and_append(run, args, output)
+    if not args.quiet:
+        print(report(read_records(output), output))
 
 
 if __name__ == "__main__":

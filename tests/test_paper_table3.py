@@ -93,13 +93,21 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
         assert [rollout for rollout, _ in run["eval_curve"]] == [1, 2, 3]
         assert run["eval_curve"][-1][1] == pytest.approx(run["expected_error"], abs=1e-3)
 
-    run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo")
+    # Two runs at a time, each in a process of its own, appended to the same file.
+    run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo", "targetpo-grpo", "--jobs", "2")
     second = json.loads(output.read_text())["runs"]
-    assert second[:3] == first and len(second) == 4
-    assert (second[3]["method"], second[3]["seed"]) == ("targetpo-tpo", 1)
+    assert second[:3] == first and len(second) == 5
+    assert sorted((run["method"], run["seed"]) for run in second[3:]) == [("targetpo-grpo", 1), ("targetpo-tpo", 1)]
+    # A run in its own process is the run this process would have trained: every setting reached it.
+    alone = tmp_path / "alone.json"
+    run_script(*small[:-1], str(alone), "--seeds", "1", "--methods", "targetpo-tpo")
+    [sequential] = json.loads(alone.read_text())["runs"]
+    [parallel] = [run for run in second[3:] if run["method"] == "targetpo-tpo"]
+    for field in ("curve", "eval_curve", "expected_error", "settings"):
+        assert parallel[field] == sequential[field], field
 
     assert "already in" in run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo")  # not run twice
-    assert len(json.loads(output.read_text())["runs"]) == 4
+    assert len(json.loads(output.read_text())["runs"]) == 5
 
     text = run_script("--report_only", "--output", str(output))
     table = [line for line in text.splitlines() if line.startswith("| ")]
