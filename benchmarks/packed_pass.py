@@ -13,6 +13,13 @@ so drifts in machine speed hit all of them; the first round is dropped as warm-u
 reported with the ratios to the padded pass and to TRL, and the largest difference of each variant's log-probs from
 the padded pass's. TRL is a benchmark-only dependency: ``pip install -e ".[bench]"`` (without it that row is skipped).
 
+``shared_prompts`` (named in ``--variants``) reads each prompt once for the consecutive rows that share it
+(``share_prompt_forward``, ``shared_prompt_completion_logps``); ``--group_size K`` gives K consecutive rows one prompt,
+as a rollout's groups have, which is where it pays: long prompts, short completions.
+
+    python benchmarks/packed_pass.py --group_size 8 --prompt_length 512 --completion_length 64 \
+        --variants padded packed shared_prompts trl --output docs/benchmarks/shared_prompts_long_prompts.json
+
 ``padded_budget`` and ``packed_budget`` train the same rows in passes of at most ``--max_tokens`` tokens, as
 ``max_tokens_per_micro_batch`` cuts a micro-step (``token_budget.plan_passes``: padded passes take rows longest first),
 each pass back-propagated before the next; their peak memory is the largest pass's, reported on a GPU.
@@ -53,6 +60,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch
 
 VARIANTS = ("padded", "packed", "trl", "padded_budget", "packed_budget")
+#: Run only when named in ``--variants``: each prompt read once for its group's rows (``share_prompt_forward``).
+OPTIONAL_VARIANTS = ("shared_prompts",)
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,7 +89,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="The model's weights.")
     parser.add_argument("--rounds", type=int, default=6, help="Alternations of the variants (the first is warm-up).")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=(*VARIANTS, *OPTIONAL_VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--group_size", type=int, default=1,
+                        help="Consecutive rows that share a prompt (a rollout's K completions of one prompt).")
     parser.add_argument(
         "--max_tokens", type=int, default=None,
         help="The budget variants' max_tokens_per_micro_batch (default: two longest sequences).",
@@ -99,9 +110,10 @@ def lengths(args: argparse.Namespace, generator: torch.Generator) -> tuple[list[
         draws = torch.empty(rows).exponential_(6.0 / longest, generator=generator)
         completions = (shortest + draws).round().long().clamp(max=longest)
     completions[0] = longest
-    prompts = torch.randint(max(1, args.prompt_length // 2), args.prompt_length + 1, (rows,), generator=generator)
+    groups = -(-rows // args.group_size)
+    prompts = torch.randint(max(1, args.prompt_length // 2), args.prompt_length + 1, (groups,), generator=generator)
     prompts[0] = args.prompt_length
-    return prompts.tolist(), completions.tolist()
+    return prompts.repeat_interleave(args.group_size)[:rows].tolist(), completions.tolist()
 
 
 def padded_rows(args: argparse.Namespace, prompt_lengths: list[int], completion_lengths: list[int], generator):
@@ -109,6 +121,7 @@ def padded_rows(args: argparse.Namespace, prompt_lengths: list[int], completion_
     width_p, width_c = max(prompt_lengths), max(completion_lengths)
     rows = len(prompt_lengths)
     prompt_ids = torch.randint(3, args.vocab_size, (rows, width_p), generator=generator)
+    prompt_ids = prompt_ids[torch.arange(rows) // args.group_size * args.group_size]  # a group's rows: one prompt
     completion_ids = torch.randint(3, args.vocab_size, (rows, width_c), generator=generator)
     prompt_mask = (torch.arange(width_p) >= width_p - torch.tensor(prompt_lengths).unsqueeze(1)).long()
     completion_mask = (torch.arange(width_c) < torch.tensor(completion_lengths).unsqueeze(1)).long()
@@ -182,9 +195,12 @@ def word_tokenizer(vocab_size: int):
 
 
 def targetpo_passes(args: argparse.Namespace) -> dict:
-    from targetpo.modeling.logps import completion_logps, packed_completion_logps
+    from targetpo.modeling.logps import completion_logps, packed_completion_logps, shared_prompt_completion_logps
 
     chunk_size = args.chunk_size or None
+
+    def shared_prompts(model, *rows):
+        return shared_prompt_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size or 512)
 
     def padded(model, *rows):
         return completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size)
@@ -198,6 +214,7 @@ def targetpo_passes(args: argparse.Namespace) -> dict:
         "packed": packed,
         "padded_budget": in_passes(padded, budget, packed=False),
         "packed_budget": in_passes(packed, budget, packed=True),
+        "shared_prompts": shared_prompts,
     }
 
 

@@ -68,6 +68,8 @@ from targetpo.demo import (  # noqa: E402
 )
 
 TRAINERS = ("targetpo", "targetpo_no_skipping", "trl")
+#: Variants run only when named in ``--trainers``: targetpo with each group's prompt read once (share_prompt_forward).
+OPTIONAL_TRAINERS = ("targetpo_shared_prompts",)
 #: The trainer of ``--before``: targetpo at an older commit, run in its own process.
 BEFORE = "targetpo_before"
 #: Settings of the Qwen2-shaped model (``--model qwen2``); left out of the saved settings for the demo model.
@@ -114,7 +116,8 @@ def parse_args() -> argparse.Namespace:
                         "spread over the micro-steps of one optimiser step (micro-batches smaller than a group).")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--reverse_length", type=int, default=6)
-    parser.add_argument("--trainers", nargs="+", choices=(*TRAINERS, BEFORE), default=list(TRAINERS))
+    parser.add_argument("--trainers", nargs="+", choices=(*TRAINERS, *OPTIONAL_TRAINERS, BEFORE),
+                        default=list(TRAINERS))
     parser.add_argument("--before", default=None, metavar="COMMIT",
                         help=f"Run every trainer in a process of its own, {BEFORE} with targetpo at COMMIT.")
     parser.add_argument("--one_run", default=None, help=argparse.SUPPRESS)  # a child process's single run
@@ -273,6 +276,7 @@ def main() -> None:
         "targetpo": (TargetPOTrainer, TargetPOConfig, {}),
         # The same trainer putting every completion through the model, as TRL does: what skipping saves.
         "targetpo_no_skipping": (TargetPOTrainer, TargetPOConfig, {"skip_zero_gradient_completions": False}),
+        "targetpo_shared_prompts": (TargetPOTrainer, TargetPOConfig, {"share_prompt_forward": True}),
         # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
         "trl": (GRPOTrainer, GRPOConfig, {"bf16": False, "gradient_checkpointing": False}),
     }

@@ -346,6 +346,19 @@ class GRPOConfig(TrainingArguments):
             "attention; sdpa and eager attention build the packed row's whole attention mask."
         },
     )
+    share_prompt_forward: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the training log-probs (the policy's, the old policy's, the reference's) with each prompt "
+            "read once for the consecutive rows that share it (a group's completions): a forward pass over the "
+            "prompts keeps their keys and values, and the completions continue from them, as generation does. The "
+            "same log-probs and gradients as the padded rows, for less compute where prompts are long next to "
+            "completions. Models that do not continue exactly from returned keys and values, images, "
+            "mixture-of-experts router losses and logps_chunk_size=0 keep the padded rows, with a warning saying "
+            "why. With dropout on (disable_dropout=False), the rows that share a prompt share its dropout masks. Not "
+            "with padding_free or gradient checkpointing."
+        },
+    )
     max_tokens_per_micro_batch: Annotated[int | None, Range(at_least=1, why="None: one pass per micro-step")] = field(
         default=None,
         metadata={
@@ -776,6 +789,17 @@ class GRPOConfig(TrainingArguments):
                 f"use_liger_kernel=True computes the training log-probs with Liger's fused kernel, and "
                 f"logps_head_kernel={self.logps_head_kernel!r} with another one: choose one (logps_head_kernel='torch' "
                 "with Liger)."
+            )
+        if self.share_prompt_forward and self.padding_free:
+            raise ValueError(
+                "share_prompt_forward=True reads each prompt once for its completions, padding_free=True packs every "
+                "row's prompt and completion into one row: choose one."
+            )
+        if self.share_prompt_forward and self.gradient_checkpointing:
+            raise ValueError(
+                "share_prompt_forward=True continues the completions from the prompts' keys and values, which "
+                "transformers does not keep under gradient checkpointing: set gradient_checkpointing=False or "
+                "share_prompt_forward=False."
             )
         if self.max_tokens_per_micro_batch is not None:
             # Both need all of a micro-step's tokens at once, which its passes see one part at a time.

@@ -21,10 +21,12 @@ from .modeling.logps import (
     completion_logps,
     liger_head_problem,
     packed_completion_logps,
+    shared_prompt_completion_logps,
     supports_chunked_head,
     triton_head_problem,
 )
 from .modeling.packing import model_packing_problem, rows_packing_problem
+from .modeling.shared_prompt import model_sharing_problem, prompt_runs
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
 from .token_budget import joined_by_rows, pass_row_masks, pass_token_shares
 from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
@@ -56,6 +58,7 @@ class PolicyLogps:
         head_kernel: str = "torch",
         token_budget: int | None = None,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+        share_prompts: bool = False,
     ):
         self.temperature = temperature
         self.suppressed_token_ids = suppressed_token_ids  # tokens sampling never picks get no probability here either
@@ -69,8 +72,10 @@ class PolicyLogps:
         # The mixed precision the model's forward runs under (the accelerator's): a chunked head, called outside the
         # forward, then computes as the model's own head would, in bf16 under bf16=True with float32 master weights.
         self.autocast = autocast
+        self.share_prompts = share_prompts  # share_prompt_forward: each prompt read once for the rows that share it
         self._model_packing_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> str | None
-        self._noted: set[tuple[str, str]] = set()  # the reasons a warning has given
+        self._model_sharing_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> str | None
+        self._noted: set[tuple[str, str, str]] = set()  # the reasons a warning has given
 
     @classmethod
     def for_model(
@@ -88,6 +93,7 @@ class PolicyLogps:
         head_kernel: str = "torch",
         token_budget: int | None = None,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+        share_prompts: bool = False,
     ) -> PolicyLogps:
         """The settings that fit ``model`` (as the trainer wraps it): chunks, Liger and the Triton head only where
         they are exact."""
@@ -112,6 +118,7 @@ class PolicyLogps:
             head_kernel,
             token_budget,
             autocast,
+            share_prompts,
         )
 
     def __call__(
@@ -152,9 +159,13 @@ class PolicyLogps:
             "head_kernel": self.head_kernel,
         }
         packed = self._packs(model, rows_tensors, with_images=pixel_inputs is not None)
+        shared = not packed and self._shares_prompts(model, rows_tensors, pixel_inputs is not None, router_aux_loss)
         with self.autocast():
             if packed:
                 results = packed_completion_logps(model, *rows_tensors, **settings)
+            elif shared:
+                del settings["router_aux_loss"]
+                results = shared_prompt_completion_logps(model, *rows_tensors, **settings)
             else:
                 results = completion_logps(
                     model,
@@ -212,14 +223,47 @@ class PolicyLogps:
                 problem = "the prompts have images, whose inputs are laid out along the padded rows"
             else:
                 problem = rows_packing_problem(rows_tensors[1], rows_tensors[3])
-        if problem is not None and (subject, problem) not in self._noted:
-            self._noted.add((subject, problem))
-            warnings.warn(
-                f"padding_free: {subject} log-probs are computed from padded rows, not packed ones, because {problem}. "
-                "They are the same values, computed with padding.",
-                stacklevel=3,
-            )
+        self._note_padded_rows("padding_free", subject, problem, "not packed ones")
         return problem is None
+
+    def _shares_prompts(
+        self, model: nn.Module, rows_tensors: list[torch.Tensor], with_images: bool, router_aux_loss: bool
+    ) -> bool:
+        """Whether the rows go through ``model`` with each prompt read once for the consecutive rows that share it:
+        with ``share_prompts``, where it gives the padded pass's log-probs and some rows share a prompt; where it
+        would not give them, a warning says why, once for each reason."""
+        if not self.share_prompts:
+            return False
+        if model not in self._model_sharing_problems:  # probed once: a forward pass of two short rows
+            can_probe = self.chunk_size is not None
+            self._model_sharing_problems[model] = model_sharing_problem(model) if can_probe else None
+        subject, problem = f"{type(getattr(model, 'module', model)).__name__}'s", self._model_sharing_problems[model]
+        if problem is None and self.chunk_size is None:
+            problem = (
+                "the output head cannot run on the final hidden states (logps_chunk_size=0, sharded weights, or "
+                "logits post-processed after the head)"
+            )
+        if problem is None:
+            subject = "these"
+            if with_images:
+                problem = "the prompts have images, whose inputs are laid out along the padded rows"
+            elif router_aux_loss:
+                problem = "the router's load-balancing loss counts every row's prompt tokens"
+            else:
+                problem = rows_packing_problem(rows_tensors[1], rows_tensors[3])
+        self._note_padded_rows("share_prompt_forward", subject, problem, "each reading its prompt")
+        # Rows that share no prompt (one completion per prompt in this batch) are the padded pass itself.
+        return problem is None and len(prompt_runs(rows_tensors[0], rows_tensors[1]).firsts) < len(rows_tensors[0])
+
+    def _note_padded_rows(self, setting: str, subject: str, problem: str | None, instead: str) -> None:
+        """A warning, once for each reason, that ``setting`` falls back to padded rows because of ``problem``."""
+        if problem is not None and (setting, subject, problem) not in self._noted:
+            self._noted.add((setting, subject, problem))
+            warnings.warn(
+                f"{setting}: {subject} log-probs are computed from padded rows, {instead}, because {problem}. They "
+                "are the same values, computed with padding.",
+                stacklevel=4,
+            )
 
     def batched(self, model: nn.Module, batch: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of a whole rollout, a training micro-batch (or with ``token_budget``, a pass of at most that many

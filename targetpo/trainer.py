@@ -381,6 +381,7 @@ class TargetPOTrainer(Trainer):
             head_kernel=args.logps_head_kernel,
             token_budget=args.max_tokens_per_micro_batch,
             autocast=self.accelerator.autocast,
+            share_prompts=args.share_prompt_forward,
         )
         self._split_groups = None
         if self._groups_split:

@@ -19,6 +19,7 @@ LAYERS = [
     "demo",
     "modeling.loading",
     "modeling.packing",
+    "modeling.shared_prompt",
     "modeling.triton_head",
     "modeling.logps",
     "modeling",

@@ -159,6 +159,14 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
     return reference.eval()
 
 
+def matmul_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a linear head's matrix products run in: autocast's where it is on (as ``nn.Linear`` would run, so
+    float32 master weights under ``bf16=True`` compute in bf16), else the weight's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weight.dtype
+
+
 class Float32OutputHead(nn.Linear):
     """A linear output head that computes in float32, from float32 inputs, under autocast too (which would run an
     ``nn.Linear`` in bf16 under ``bf16=True``).

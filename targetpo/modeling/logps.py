@@ -3,8 +3,9 @@
 The log-probs are those of the distribution generation sampled from (:func:`_sampled_logits`). The head's logits
 come whole from the model, or a chunk of positions at a time from its final hidden states (a plain linear head with a
 hand-written backward pass in torch or in Triton kernels, ``triton_head``; any other head under activation
-checkpointing), or from Liger's fused kernel. The rows go through the model padded (:func:`completion_logps`) or
-packed into one row (:func:`packed_completion_logps`).
+checkpointing), or from Liger's fused kernel. The rows go through the model padded (:func:`completion_logps`),
+packed into one row (:func:`packed_completion_logps`), or with each prompt read once for the rows that share it
+(:func:`shared_prompt_completion_logps`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from .loading import Float32OutputHead, is_peft_model
+from .loading import Float32OutputHead, is_peft_model, matmul_dtype
 from .packing import pack_rows
+from .shared_prompt import prompt_runs, shared_prompt_hidden_states
 
 
 def _nonempty(token_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -275,14 +277,6 @@ class _LinearHeadLogps(torch.autograd.Function):
             grad_weight = (grad.t() @ hidden.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
             grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
-
-
-def matmul_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
-    """The dtype a linear head's matrix products run in: autocast's where it is on (as ``nn.Linear`` would run, so
-    float32 master weights under ``bf16=True`` compute in bf16), else the weight's."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return weight.dtype
 
 
 def _linear_head_logits(hidden, weight, bias, dtype, temperature, suppressed) -> torch.Tensor:
@@ -679,3 +673,48 @@ def packed_completion_logps(
     if router_aux_loss:
         return logps, entropies, getattr(outputs, "aux_loss", None)
     return logps, entropies
+
+
+def shared_prompt_completion_logps(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_attention_mask: torch.Tensor,
+    chunk_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    suppressed_token_ids: torch.Tensor | None = None,
+    liger: bool = False,
+    entropy_grad: bool = False,
+    head_kernel: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`completion_logps` with each prompt read once for the consecutive rows that share it
+    (:func:`~targetpo.modeling.shared_prompt.shared_prompt_hidden_states`): the same log-probs and entropies, the
+    output head run ``chunk_size`` completion positions at a time.
+
+    Each prompt must end in a read token (left padding); the model must continue exactly from the keys and values
+    its forward pass returns (:func:`~targetpo.modeling.shared_prompt.model_sharing_problem`).
+    """
+    used_completion = completion_attention_mask.any(dim=0)
+    kept_columns = int(used_completion.nonzero().max()) + 1 if used_completion.any() else 1
+    kept_ids, kept_mask = completion_ids[:, :kept_columns], completion_attention_mask[:, :kept_columns]
+    runs = prompt_runs(prompt_ids, prompt_mask)
+    hidden = shared_prompt_hidden_states(model, prompt_ids, prompt_mask, kept_ids, kept_mask, runs)
+    suppressed = None if suppressed_token_ids is None else _nonempty(suppressed_token_ids.to(kept_ids.device))
+    logps, entropies = _chunked_head_logps(
+        _output_head(model),
+        hidden,
+        kept_ids,
+        kept_mask.bool(),
+        temperature,
+        suppressed,
+        chunk_size,
+        with_entropy,
+        liger=liger,
+        entropy_grad=entropy_grad,
+        head_kernel=head_kernel,
+    )
+    pad = completion_ids.size(1) - kept_columns  # the cut right-hand columns, masked everywhere, put back
+    logps, entropies = (nn.functional.pad(values, (0, pad)) for values in (logps, entropies))
+    return logps, entropies if with_entropy else None

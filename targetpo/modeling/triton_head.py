@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import nn
 from triton.runtime.interpreter import InterpretedFunction
 
-from .logps import matmul_dtype
+from .loading import matmul_dtype
 
 #: The most vocabulary entries one kernel step reads from a row.
 MAX_BLOCK = 4096
