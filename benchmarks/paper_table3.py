@@ -148,7 +148,8 @@ def parse_args() -> argparse.Namespace:
                         "GPU, since each is small).")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="Where the runs train: the CPU (float32), or one GPU (float32 too, so a run on either "
-                        "is the same measurement).")
+                        "is the same measurement: the file keeps one per method, H, K, B and seed, whichever device "
+                        "trained it, and records which).")
     parser.add_argument("--output", default="docs/benchmarks/paper_table3.json")
     parser.add_argument("--quiet", action="store_true",
                         help="Print only each run's summary line: no training logs, no report.")
@@ -460,6 +461,8 @@ def run_in_processes(runs: list[tuple[str, int, int, int]], args: argparse.Names
 
 def main() -> None:
     args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():  # the Trainer would quietly train on the CPU
+        raise SystemExit("--device cuda: torch sees no GPU here.")
     output = Path(args.output)
     torch.set_num_threads(args.threads)
     if not args.report_only:

@@ -97,14 +97,30 @@ def train(
     return trainer
 
 
-def two_process_worker(rank, world_size, port, out_dir, cases):
-    """Each case trained in a 2-process gloo world; every process saves its weights after each optimiser step."""
+def count_shared_passes(trainer):
+    """Counts the forward passes through the model that continue from returned keys and values (the completion
+    passes of share_prompt_forward) in ``trainer.shared_passes``."""
+    trainer.shared_passes = 0
+
+    def count(module, args, kwargs):
+        trainer.shared_passes += kwargs.get("past_key_values") is not None
+
+    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+def two_process_worker(rank, world_size, port, out_dir, cases, on_trainer=None):
+    """Each case trained in a 2-process gloo world; every process saves its weights after each optimiser step (and,
+    with ``on_trainer="count_shared_passes"``, the count)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     for name, reward, settings in cases:
-        trainer = train(out_dir, reward, process_index=rank, ddp_backend="gloo", ddp_timeout=60, **settings)
+        prepare = {"count_shared_passes": count_shared_passes}.get(on_trainer)
+        trainer = train(out_dir, reward, process_index=rank, on_trainer=prepare, ddp_backend="gloo", ddp_timeout=60,
+                        **settings)
         assert trainer.accelerator.num_processes == world_size
         torch.save(trainer.recorded, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+        if prepare is not None:
+            torch.save(trainer.shared_passes, os.path.join(out_dir, f"{name}_rank{rank}_shared_passes.pt"))
     torch.distributed.barrier()
     os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)

@@ -355,6 +355,36 @@ def test_cast_lm_head_to_fp32_refuses_a_head_it_would_bypass(tokenizer, tied):
     assert model.lm_head.weight.dtype == torch.bfloat16  # refused before anything changed
 
 
+def test_cast_lm_head_to_fp32_refuses_a_head_whose_forward_accelerate_replaced(tokenizer):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from targetpo.modeling.loading import cast_output_head_to_fp32
+
+    model = tiny_bf16_qwen2(tokenizer, tie_word_embeddings=False)
+    add_hook_to_module(model.lm_head, ModelHook())  # as device_map dispatch and offloading do
+    with pytest.raises(ValueError, match="this one's forward is replaced"):
+        cast_output_head_to_fp32(model)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_cast_lm_head_to_fp32_casts_the_head_peft_saves_and_its_original(tokenizer):
+    """A model already wrapped by PEFT with modules_to_save=["lm_head"]: the trained copy and the original both compute
+    in float32, under autocast too."""
+    from peft import LoraConfig, get_peft_model
+
+    from targetpo.modeling.loading import Float32OutputHead, cast_output_head_to_fp32
+
+    config = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    model = get_peft_model(tiny_bf16_qwen2(tokenizer, tie_word_embeddings=False), config)
+    cast_output_head_to_fp32(model)
+    wrapper = model.get_base_model().lm_head
+    for head in (wrapper.original_module, *wrapper.modules_to_save.values()):
+        assert type(head) is Float32OutputHead and head.weight.dtype == torch.float32
+    hidden = torch.randn(3, 32, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert wrapper(hidden).dtype == torch.float32
+
+
 @MIXED_PRECISION
 def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf16_weight(
     tmp_path, tokenizer, prompt_dataset, bf16

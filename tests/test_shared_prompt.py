@@ -7,11 +7,14 @@ training: plain SGD on fixed completions (``split_group_workers``), with and wit
 returned keys and values), so it is not between two padded runs.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
-from split_group_workers import train, two_process_worker
+from datasets import Dataset
+from split_group_workers import PROMPTS, count_shared_passes, train, two_process_worker
 from test_distributed import free_port
 from test_split_groups import assert_same_weights_after_every_step, assert_steps_move_the_weights
 
@@ -19,6 +22,7 @@ from targetpo import TargetPOConfig
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
 from targetpo.modeling.logps import completion_logps, shared_prompt_completion_logps
 from targetpo.modeling.shared_prompt import model_sharing_problem, prompt_runs
+from targetpo.policy_logps import PolicyLogps
 
 
 def test_runs_are_consecutive_rows_with_the_same_prompt_and_padding():
@@ -102,32 +106,42 @@ def test_a_model_whose_completions_do_not_continue_its_prompts_keys_is_found_out
     assert "gives other hidden states when it continues" in model_sharing_problem(model)
 
 
-def test_a_model_with_sliding_windows_keeps_padded_rows():
-    """A sliding window keeps the keys and values of the last positions only: exactness would depend on lengths."""
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    assert "keep keys and values of only some positions (sliding windows)" in model_sharing_problem(
-        Qwen2ForCausalLM(config)
-    )
+def tiny_qwen2(**settings):
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, **settings))
+
+
+def test_models_whose_exactness_depends_on_lengths_keep_padded_rows():
+    # A sliding window keeps the keys and values of the last positions only.
+    sliding = tiny_qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert "cache keeps other than every position's keys and values" in model_sharing_problem(sliding)
+    # A dynamic rotary embedding rescales once a forward pass passes max_position_embeddings: the prompts' pass
+    # alone does not, the padded pass does (both below it in the probe, which would not see it).
+    torch.manual_seed(0)
+    dynamic = tiny_qwen2(max_position_embeddings=16, initializer_range=0.3,  # large weights: attention that matters
+                         rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    assert "rotary embedding (dynamic) rescales" in model_sharing_problem(dynamic)
+    prompt, completion = torch.arange(3, 15).expand(2, -1), torch.arange(20, 32).expand(2, -1)
+    rows = (prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))
+    with torch.no_grad():
+        padded, _ = completion_logps(dynamic.eval(), *rows, chunk_size=8)
+        shared, _ = shared_prompt_completion_logps(dynamic, *rows, chunk_size=8)
+    assert (padded - shared).abs().max() > 0.1  # what sharing would have computed: far off
 
 
 # ------------------------------------------------------------------------------------------------------ training
-def count_shared_passes(trainer):
-    """Counts the forward passes that continue from returned keys and values (the completion passes)."""
-    trainer.shared_passes = 0
-
-    def count(module, args, kwargs):
-        trainer.shared_passes += kwargs.get("past_key_values") is not None
-
-    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
-
-
 CASES = {
     # Old log-probs of the second epoch, the reference's log-probs: every pass shares the prompts.
     "tpo-two-epochs": dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2),
     "grpo-kl": dict(loss_type="grpo", beta=0.04, per_device_train_batch_size=8, max_steps=2),
     # Groups of equal scores skipped at the rollout's weights: the remaining rows share their prompts.
     "tpo-skipped-rows": dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, reward="cat_ties"),
+    # A group's 8 rows over 2 micro-steps: each shares its prompt within its micro-step; p refreshed at moved weights.
+    "tpo-groups-split": dict(per_device_train_batch_size=4, steps_per_generation=4, gradient_accumulation_steps=4,
+                             max_steps=4, num_iterations=2),
+    # Token-budget passes of at most 40 tokens (two or three rows): the rows of a pass that share a prompt share it.
+    "grpo-token-budget": dict(loss_type="grpo", beta=0.04, per_device_train_batch_size=8, max_steps=2,
+                              max_tokens_per_micro_batch=40),
 }
 
 
@@ -149,11 +163,48 @@ def test_shared_prompts_on_two_processes_train_as_padded_rows(tmp_path):
     settings = dict(loss_type="grpo", beta=0.04, max_steps=2, per_device_train_batch_size=4, max_prompt_length=12)
     cases = [("shared", "letter_score", dict(share_prompt_forward=True, **settings)),
              ("padded", "letter_score", settings)]
-    mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases, "count_shared_passes"), nprocs=2,
+             join=True)
     for rank in range(2):
         weights = {name: torch.load(tmp_path / f"{name}_rank{rank}.pt") for name, _, _ in cases}
         assert_steps_move_the_weights(weights["padded"][1:], weights["padded"][0])
         assert_same_weights_after_every_step(weights["shared"], weights["padded"])
+        counted = {name: torch.load(tmp_path / f"{name}_rank{rank}_shared_passes.pt") for name, _, _ in cases}
+        assert counted["padded"] == 0 and counted["shared"] >= 2  # the policy's and the reference's, every step
+
+
+def test_evaluation_with_shared_prompts_gives_the_padded_loss(tmp_path):
+    settings = dict(per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=1, max_prompt_length=12,
+                    on_trainer=count_shared_passes)
+    losses, shared_passes = [], []
+    for name, share in (("padded", False), ("shared", True)):
+        trainer = train(str(tmp_path / name), share_prompt_forward=share, **settings)
+        before = trainer.shared_passes
+        losses.append(trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))["eval_loss"])
+        shared_passes.append(trainer.shared_passes - before)
+    assert shared_passes[0] == 0 and shared_passes[1] > 0
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_rows_that_cannot_share_a_prompt_are_padded_with_the_reason(rows):
+    model = MODELS["qwen2"]()
+    logps = PolicyLogps(1.0, torch.tensor([], dtype=torch.long), True, 4, False, 8, share_prompts=True)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rows
+    assert logps._shares_prompts(model, list(rows), with_images=False, router_aux_loss=False)
+    # Each row from another prompt: the padded pass is the same computation, and nothing is said.
+    distinct = [prompt_ids[[0, 3, 5]], prompt_mask[[0, 3, 5]], completion_ids[:3], completion_mask[:3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not logps._shares_prompts(model, distinct, with_images=False, router_aux_loss=False)
+    right_padded = [prompt_ids, prompt_mask.flip(1), completion_ids, completion_mask]
+    for call, reason in (
+        (dict(rows_tensors=list(rows), with_images=True, router_aux_loss=False), "the prompts have images"),
+        (dict(rows_tensors=list(rows), with_images=False, router_aux_loss=True), "router's load-balancing loss"),
+        (dict(rows_tensors=right_padded, with_images=False, router_aux_loss=False), "does not read one run of tokens"),
+    ):
+        with pytest.warns(UserWarning, match=f"share_prompt_forward: these log-probs are computed from padded rows, "
+                                             f"each reading its prompt, because .*{reason}"):
+            assert not logps._shares_prompts(model, **call)
 
 
 def test_where_prompts_cannot_be_shared_a_warning_says_why_and_the_rows_are_padded(tmp_path):

@@ -161,8 +161,8 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
 
 def matmul_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
     """The dtype a linear head's matrix products run in: autocast's where it is on (as ``nn.Linear`` would run, so
-    float32 master weights under ``bf16=True`` compute in bf16), else the weight's."""
-    if torch.is_autocast_enabled(device.type):
+    float32 master weights under ``bf16=True`` compute in bf16), else the weight's (float64 too: autocast leaves it)."""
+    if torch.is_autocast_enabled(device.type) and weight.dtype != torch.float64:
         return torch.get_autocast_dtype(device.type)
     return weight.dtype
 
@@ -193,14 +193,30 @@ def cast_output_head_to_fp32(model: nn.Module) -> None:
     head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError("cast_lm_head_to_fp32=True needs a model with an output head (`get_output_embeddings()`).")
-    if type(head) is not nn.Linear:  # its forward is replaced by a float32 nn.Linear's, which would bypass theirs
-        raise ValueError(
-            f"cast_lm_head_to_fp32=True needs a plain torch.nn.Linear output head, got {type(head).__name__}. Set "
-            "cast_lm_head_to_fp32=False."
-        )
-    if embeddings is None or head.weight is not embeddings.weight:
-        head.float()
-    head.__class__ = Float32OutputHead  # a class, not a patched forward, so copies (the reference) keep it
+    # PEFT's modules_to_save keeps the original head and a trained copy per adapter, and calls the active one.
+    linears = [head.original_module, *head.modules_to_save.values()] if _saves_modules(head) else [head]
+    for linear in linears:
+        # Its forward becomes a float32 nn.Linear's, which would bypass another class's or a replaced one's.
+        if type(linear) is not nn.Linear:
+            raise ValueError(
+                f"cast_lm_head_to_fp32=True needs a plain torch.nn.Linear output head, got {type(linear).__name__}. "
+                "Set cast_lm_head_to_fp32=False."
+            )
+        if "forward" in vars(linear) or hasattr(linear, "_hf_hook"):
+            raise ValueError(
+                "cast_lm_head_to_fp32=True needs an output head that computes with torch.nn.Linear's forward; this "
+                "one's forward is replaced (accelerate's device_map dispatch or offloading). Load the model on one "
+                "device, or set cast_lm_head_to_fp32=False."
+            )
+    for linear in linears:
+        if embeddings is None or linear.weight is not embeddings.weight:
+            linear.float()
+        linear.__class__ = Float32OutputHead  # a class, not a patched forward, so copies (the reference) keep it
+
+
+def _saves_modules(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's ``modules_to_save`` wrapper (an original module and a trained copy per adapter)."""
+    return isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) and hasattr(module, "original_module")
 
 
 @torch.no_grad()

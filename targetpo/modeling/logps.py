@@ -336,15 +336,21 @@ def _head_in_chunks(
         from .triton_head import linear_head_logps  # imports Triton
     fused = training and plain
     suppressed_token_ids = _nonempty(suppressed_token_ids)
+    head_weight, head_bias = weight, getattr(head, "bias", None)
+    if (in_triton or fused) and matmul_dtype(hidden_rows.device, weight) != weight.dtype:
+        # Under autocast, the weight in autocast's dtype once for all chunks (autograd takes its gradient back to the
+        # weight's dtype), not once per chunk in forward and twice in backward: a whole-vocabulary cast each time.
+        dtype = matmul_dtype(hidden_rows.device, weight)
+        head_weight, head_bias = weight.to(dtype), None if head_bias is None else head_bias.to(dtype)
     for start in range(0, hidden_rows.size(0), chunk_size):
         part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
         if in_triton:
             chunk_logps, chunk_entropy = linear_head_logps(
-                part[0], head.weight, head.bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
+                part[0], head_weight, head_bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
             )
         elif fused:
             chunk_logps, chunk_entropy = _LinearHeadLogps.apply(
-                part[0], head.weight, head.bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
+                part[0], head_weight, head_bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
             )
         elif training:
             # Recompute the chunk's logits in backward instead of keeping them: the point of chunking.

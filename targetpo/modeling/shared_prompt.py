@@ -21,6 +21,9 @@ from transformers.cache_utils import DynamicLayer
 
 from .loading import is_peft_model
 
+#: Rotary embeddings whose frequencies depend on the longest position of the forward pass (transformers'
+#: ``dynamic_rope_update``): the prompts' keys would be rotated for the prompts' length, not the whole sequence's.
+LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 #: A prompt and its completion, alone and split into prompt pass and completion pass, must give the same logits to
 #: this relative tolerance (rounding only).
 _PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
@@ -76,9 +79,12 @@ def shared_prompt_hidden_states(
     if cache is None:
         raise SharingProblem("its forward pass returns no keys and values (use_cache=True)")
     if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [None])):
-        # A sliding window (or a hybrid layer) keeps only some positions' keys and values: what the completions
-        # then read depends on lengths that a short probe cannot check.
-        raise SharingProblem("it has layers that keep keys and values of only some positions (sliding windows)")
+        # A sliding window keeps only some positions' keys and values, a recurrent or linear-attention layer a state:
+        # what the completions then read depends on lengths that a short probe cannot check.
+        raise SharingProblem(
+            "its cache keeps other than every position's keys and values (sliding-window, recurrent or "
+            "linear-attention layers)"
+        )
     cache.batch_select_indices(runs.run_of_row)  # each row reads its run's keys and values (gradients add up)
     last_prompt_hidden = prompt_pass.hidden_states[-1][:, -1][runs.run_of_row]
     read_prompt_tokens = prompt_mask.sum(dim=1, keepdim=True)
@@ -99,8 +105,9 @@ def shared_prompt_hidden_states(
 def model_sharing_problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot read a prompt once for its completions and give the padded pass's logits, or None.
 
-    One small forward pass without gradient checks it on the model itself: a prompt and two completions, read whole
-    and split into a prompt pass and a completion pass.
+    Its configuration is read first (gradient checkpointing, rotary embeddings that rescale with the length); then
+    small forward passes without gradient check it on the model itself: two prompts (one left-padded) and three
+    completions, read whole and split into a prompt pass and a completion pass.
     """
     model = getattr(model, "module", model)  # DDP
     base = model.get_base_model() if is_peft_model(model) else model
@@ -108,19 +115,30 @@ def model_sharing_problem(model: nn.Module) -> str | None:
         return "it is not a transformers model, whose forward pass continues from the keys and values it returned"
     if getattr(base, "is_gradient_checkpointing", False):
         return "gradient checkpointing is on, under which transformers keeps no keys and values"
+    rope_types = {getattr(module, "rope_type", None) for module in base.modules()} & LENGTH_DEPENDENT_ROPE
+    if rope_types:
+        return (
+            f"its rotary embedding ({', '.join(sorted(rope_types))}) rescales with the longest position of a forward "
+            "pass, which the prompts' pass does not reach"
+        )
     embeddings = base.get_input_embeddings()
     device = embeddings.weight.device
     vocab_size = getattr(embeddings, "num_embeddings", None) or base.config.get_text_config(decoder=True).vocab_size
-    prompt = (torch.arange(1, 8, device=device) % vocab_size).expand(2, -1)
-    prompt_mask = torch.ones_like(prompt)
-    completion = torch.tensor([[3, 5, 7], [4, 6, 0]], device=device) % vocab_size
-    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)
+    # Two rows share a prompt of 7 tokens; a third reads 5, left-padded, as a batch's shorter prompts are.
+    prompt = torch.arange(1, 8, device=device).expand(3, -1) % vocab_size
+    prompt_mask = torch.tensor([[1] * 7, [1] * 7, [0, 0, 1, 1, 1, 1, 1]], device=device)
+    prompt = prompt * prompt_mask
+    completion = torch.tensor([[3, 5, 7], [4, 6, 0], [2, 3, 4]], device=device) % vocab_size
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], device=device)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # without dropout, the two ways compute the same thing
     try:
         with torch.no_grad():
             ids, mask = torch.cat([prompt, completion], dim=1), torch.cat([prompt_mask, completion_mask], dim=1)
-            whole = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # counting read tokens, as the padded pass does
+            whole = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, output_hidden_states=True
+            )
             expected = whole.hidden_states[-1][:, prompt.size(1) - 1 : -1]
             runs = prompt_runs(prompt, prompt_mask)
             shared = shared_prompt_hidden_states(model, prompt, prompt_mask, completion, completion_mask, runs)
