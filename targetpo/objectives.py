@@ -144,7 +144,8 @@ class TargetObjective(Objective):
         sequence_logps_all = all_gather_with_grad(sequence_logps) if span else sequence_logps
         valid_all = gather(valid)
         built = None
-        if batch.cache.targets is None and batch.old_per_token_logps is not None:
+        old_logps_complete = batch.old_per_token_logps is not None and batch.old_logps_from_first_use is None
+        if batch.cache.targets is None and old_logps_complete:
             # The first use, with the rollout's log-probs completed: q of every row, for the later uses too.
             gather_all = self.accelerator.gather
             built = self.targets_at_rollout(batch, gather_all(batch.advantages), gather_all(batch.valid))
@@ -306,7 +307,7 @@ class LossTerms(NamedTuple):
         """One micro-step's terms from those of its passes (``passes``: each one's rows, bool), detached: the loss,
         the KL and the router loss add up (each pass's is its part of the micro-step's); what a pass measured per
         row or token is taken from the rows it trained, and so is what it built (q, importance weights) unless it
-        was ``built_for_every_row`` (from the rollout's old log-probs, the same in every pass)."""
+        was ``built_for_every_row`` (from the old log-probs, complete at the latest in the last pass)."""
 
         def by_rows(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
             return joined_by_rows(values, passes)
@@ -314,7 +315,8 @@ class LossTerms(NamedTuple):
         def built(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
             if not built_for_every_row:
                 return by_rows(values)
-            return next((value.detach() for value in values if value is not None), None)
+            # The last pass's: the old log-probs were complete by then (a first use completes them pass by pass).
+            return next((value.detach() for value in reversed(values) if value is not None), None)
 
         def summed(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
             present = [value.detach() for value in values if value is not None]

@@ -275,11 +275,10 @@ class TargetPOTrainer(Trainer):
         self._groups_split = args.loss_type == "tpo" and (self._layout.splits_groups or self._passes_split_groups())
         self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0 or self._groups_split
         # Where every step batch is first used at the rollout's weights, that use computes the old log-probs of the
-        # rows it trains anyway: the rollout records only the others (not when a micro-step is trained in passes).
+        # rows it trains anyway (pass by pass under a token budget): the rollout records only the others.
         self._old_logps_at_first_use = (
             self._needs_old_logps
             and not self._groups_split
-            and self._token_budget is None
             and self._generate_every % args.gradient_accumulation_steps == 0
             and args.steps_per_generation <= args.gradient_accumulation_steps
         )
@@ -695,9 +694,10 @@ class TargetPOTrainer(Trainer):
         mask, _ = batch.masks_without(rows)
         passes = self._training_passes(model, batch, rows, self._group_kept_whole_in_a_pass)
         shares = pass_token_shares(batch.prompt_mask, batch.completion_attention_mask, passes)
-        # Each pass builds what the first use builds (q, importance weights); from the rollout's old log-probs that
-        # holds for every row, from a pass's own log-probs for its rows only.
-        built_for_every_row = batch.old_per_token_logps is not None
+        # Each pass builds what the first use builds (q, importance weights): from the rollout's old log-probs for
+        # every row, from a pass's own log-probs for its rows only. Where the first use completes the old log-probs
+        # pass by pass, the pass that completes them builds for every row.
+        built_for_every_row = batch.old_per_token_logps is not None or batch.old_logps_from_first_use is not None
         cache = batch.cache
         parts = []
         for index, (pass_rows, share) in enumerate(zip(passes, shares)):
@@ -709,7 +709,9 @@ class TargetPOTrainer(Trainer):
                 logps = self._policy_logps(model, batch, pass_rows, pass_mask)
                 if logps.aux_loss is not None:  # the router's loss, a mean over the pass's tokens: by their share
                     logps = logps._replace(aux_loss=share * logps.aux_loss)
-                terms = self._loss_of_rows(batch, logps, pass_mask, pass_valid, "train", micro_step_mask=mask)
+                terms = self._loss_of_rows(
+                    batch, logps, pass_mask, pass_valid, "train", micro_step_mask=mask, rows=pass_rows
+                )
                 self._require_finite_loss(terms.loss)
                 self.accelerator.backward(terms.loss / self.current_gradient_accumulation_steps)
             parts.append((terms, logps.entropies))
@@ -741,11 +743,12 @@ class TargetPOTrainer(Trainer):
         valid: torch.Tensor,
         mode: str,
         micro_step_mask: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> LossTerms:
-        """The loss terms of the rows in ``mask`` from their log-probs; at a step batch's first use, its old
-        log-probs are completed from them first."""
+        """The loss terms of the rows in ``mask`` from their log-probs (of ``rows``, bool; None: every row the step
+        trains); at a step batch's first use, its old log-probs are completed from them first."""
         if mode == "train" and inputs.old_logps_from_first_use is not None:
-            self._fill_old_logps(inputs, logps.per_token)
+            self._fill_old_logps(inputs, logps.per_token, rows)
         importance_sampling = mode == "train" and self._importance_sampling
         return self._loss(logps, inputs, mask, valid, mode, importance_sampling, micro_step_mask)
 
@@ -790,15 +793,18 @@ class TargetPOTrainer(Trainer):
             self._require_finite_logps(logps.per_token, mask)
         return logps
 
-    def _fill_old_logps(self, batch: RolloutBatch, per_token_logps: torch.Tensor) -> None:
-        """At a step batch's first use, at the rollout's weights: the old log-probs of the rows it trains are its own."""
+    def _fill_old_logps(self, batch: RolloutBatch, per_token_logps: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """At a step batch's first use, at the rollout's weights: the old log-probs of the rows it trains are its own
+        (of ``rows``, a pass's under a token budget; None: all it trains). The rows still to come stay marked."""
         if self.state.global_step != batch.rollout_step:
             raise RuntimeError("A step batch first used after the weights moved has no old log-probs for its rows.")
         current = per_token_logps.detach()
-        first_use = batch.old_logps_from_first_use.unsqueeze(-1)
-        old = batch.old_per_token_logps
-        batch.old_per_token_logps = current if old is None else torch.where(first_use, current, old)
-        batch.old_logps_from_first_use = None
+        pending = batch.old_logps_from_first_use
+        filled = pending if rows is None else pending & rows
+        old = torch.zeros_like(current) if batch.old_per_token_logps is None else batch.old_per_token_logps
+        batch.old_per_token_logps = torch.where(filled.unsqueeze(-1), current, old)
+        remaining = pending & ~filled
+        batch.old_logps_from_first_use = remaining if bool(remaining.any()) else None
 
     def _require_finite_logps(self, per_token_logps: torch.Tensor, mask: torch.Tensor) -> None:
         """A FloatingPointError when a token log-prob the loss uses is NaN or infinite (the model overflowed)."""

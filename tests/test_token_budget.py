@@ -170,6 +170,50 @@ def test_importance_weights_of_rows_a_first_use_skips_reach_their_later_uses(tmp
         assert logged(runs["passes"], name) == pytest.approx(logged(runs["one_pass"], name), rel=1e-5)
 
 
+def count_forward_passes(trainer):
+    """Counts the model's forward passes with and without gradient."""
+    trainer.forwards_with_gradient = trainer.forwards_without_gradient = 0
+
+    def count(module, args, kwargs):
+        if torch.is_grad_enabled():
+            trainer.forwards_with_gradient += 1
+        else:
+            trainer.forwards_without_gradient += 1
+
+    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+@pytest.mark.parametrize("case", ["bnpo-two-epochs", "tpo-whole-groups"])
+def test_the_first_use_completes_the_old_log_probs_pass_by_pass(tmp_path, case):
+    """num_iterations = 2: the rollout runs no pass of its own for the old log-probs (every row trains at its first
+    use, at the rollout's weights); each of the first use's passes fills its rows', and the second epoch's ratios and
+    q come from them, as in one pass."""
+    settings = dict(CASES[case], **PROMPT_LIMIT)
+    budget = settings.pop("budget")
+    reference = train(str(tmp_path / "one_pass"), on_trainer=count_forward_passes, **settings)
+    budgeted = train(str(tmp_path / "passes"), on_trainer=count_forward_passes, max_tokens_per_micro_batch=budget,
+                     **settings)
+    assert budgeted._old_logps_at_first_use
+    assert reference.forwards_without_gradient == budgeted.forwards_without_gradient == 0
+    assert budgeted.forwards_with_gradient >= 2 * reference.forwards_with_gradient
+    assert_same_weights_after_every_step(budgeted.recorded, reference.recorded)
+
+
+def test_importance_weights_built_pass_by_pass_at_the_first_use_serve_the_later_uses(tmp_path):
+    """BNPO, two epochs, passes of at most 40 tokens: the first use's passes each fill their rows' old log-probs, and
+    the importance weights the second epoch reuses are every row's (built by the pass that completed them)."""
+    settings = dict(loss_type="bnpo", per_device_train_batch_size=8, max_steps=4, num_iterations=2, **PROMPT_LIMIT)
+    runs = {}
+    for name, budget in (("one_pass", None), ("passes", 40)):
+        runs[name] = train(str(tmp_path / name), max_tokens_per_micro_batch=budget, on_trainer=with_sampler_logps,
+                           **settings)
+    assert runs["passes"]._old_logps_at_first_use
+    assert logged(runs["one_pass"], "vllm/importance_weight_mean")[0] != pytest.approx(1.0)
+    assert_same_weights_after_every_step(runs["passes"].recorded, runs["one_pass"].recorded)
+    for name in ("vllm/importance_weight_mean", "vllm/logp_abs_diff"):
+        assert logged(runs["passes"], name) == pytest.approx(logged(runs["one_pass"], name), rel=1e-5)
+
+
 def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
     settings = dict(per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=1, **PROMPT_LIMIT)
     losses = []
