@@ -295,13 +295,17 @@ def test_passes_on_two_processes_train_as_one_pass(tmp_path):
     """Two processes with 4 rows each, cut into passes whose number the processes agree on (a DDP forward pass is a
     collective): in the first step process 0's rows fit in 2 packed passes of 24 tokens and process 1's need 3. GRPO with the KL: as the same two processes in one pass each (each process's KL is a mean over its
     own tokens). TPO: its groups span processes and passes, trained from their softmax known ahead, as one process
-    with the whole group in one pass."""
+    with the whole group in one pass. BNPO over two epochs: each process's first use fills its old log-probs pass by
+    pass (its empty passes fill nothing)."""
     two_processes = dict(per_device_train_batch_size=4, **PROMPT_LIMIT)
     grpo, tpo = dict(loss_type="grpo", beta=0.04, max_steps=2), dict(max_steps=4, num_iterations=2)
+    bnpo = dict(loss_type="bnpo", max_steps=4, num_iterations=2)
     cases = [
         ("grpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **grpo, **two_processes)),
         ("grpo_one_pass", "letter_score", dict(**grpo, **two_processes)),
         ("tpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **tpo, **two_processes)),
+        ("bnpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **bnpo, **two_processes)),
+        ("bnpo_one_pass", "letter_score", dict(**bnpo, **two_processes)),
     ]
     mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=True)
     tpo_reference = train(str(tmp_path / "tpo"), per_device_train_batch_size=NUM_GENERATIONS, **tpo, **PROMPT_LIMIT)
@@ -309,3 +313,4 @@ def test_passes_on_two_processes_train_as_one_pass(tmp_path):
         weights = {name: torch.load(tmp_path / f"{name}_rank{rank}.pt") for name, _, _ in cases}
         assert_same_weights_after_every_step(weights["grpo_passes"], weights["grpo_one_pass"])
         assert_same_weights_after_every_step(weights["tpo_passes"], tpo_reference.recorded)
+        assert_same_weights_after_every_step(weights["bnpo_passes"], weights["bnpo_one_pass"])
