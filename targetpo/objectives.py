@@ -147,8 +147,13 @@ class TargetObjective(Objective):
         old_logps_complete = batch.old_per_token_logps is not None and batch.old_logps_from_first_use is None
         if batch.cache.targets is None and old_logps_complete:
             # The first use, with the rollout's log-probs completed: q of every row, for the later uses too.
-            gather_all = self.accelerator.gather
-            built = self.targets_at_rollout(batch, gather_all(batch.advantages), gather_all(batch.valid))
+            if span:
+                gather_all = self.accelerator.gather
+                built = self.targets_at_rollout(batch, gather_all(batch.advantages), gather_all(batch.valid))
+            else:  # no collective: under token-budget passes each process completes its old log-probs in its own pass
+                normalize, eta = args.tpo_length_normalize_logps, args.tpo_target_temperature
+                old = F.sequence_logps(batch.old_per_token_logps, batch.completion_mask, normalize)
+                built = F.tpo_targets(old, batch.advantages, group_size, batch.valid, eta)
             targets_all = gather(built)
         elif batch.cache.targets is None:
             targets_all = F.tpo_targets(

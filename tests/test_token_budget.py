@@ -7,6 +7,7 @@ are counted), so the comparison is not between two single-pass runs.
 """
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -212,6 +213,27 @@ def test_importance_weights_built_pass_by_pass_at_the_first_use_serve_the_later_
     assert_same_weights_after_every_step(runs["passes"].recorded, runs["one_pass"].recorded)
     for name in ("vllm/importance_weight_mean", "vllm/logp_abs_diff"):
         assert logged(runs["passes"], name) == pytest.approx(logged(runs["one_pass"], name), rel=1e-5)
+
+
+def test_tpo_on_two_processes_completes_old_log_probs_in_different_passes(tmp_path):
+    """The cat group scores equal and is skipped at the rollout's weights: one process's first use trains in 1 pass,
+    the other's in 2, so each completes its old log-probs in another pass. q is built from them without a collective
+    (a gather there would pair with nothing on the other process, and both would wait for ever): the weights are one
+    pass's."""
+    settings = dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, **PROMPT_LIMIT)
+    cases = [("tpo_passes", "letter_score_but_cat_ties", dict(max_tokens_per_micro_batch=140, **settings)),
+             ("tpo_one_pass", "letter_score_but_cat_ties", settings)]
+    context = mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=False)
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:  # a hang is the failure this test guards against
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two processes did not finish: their collectives no longer pair up")
+    for rank in range(2):
+        weights = {name: torch.load(tmp_path / f"{name}_rank{rank}.pt") for name, _, _ in cases}
+        assert_steps_move_the_weights(weights["tpo_one_pass"][1:], weights["tpo_one_pass"][0])
+        assert_same_weights_after_every_step(weights["tpo_passes"], weights["tpo_one_pass"])
 
 
 def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
