@@ -218,11 +218,7 @@ class PolicyLogps:
             self._model_packing_problems[model] = model_packing_problem(model)
         subject, problem = f"{type(getattr(model, 'module', model)).__name__}'s", self._model_packing_problems[model]
         if problem is None:
-            subject = "these"
-            if with_images:
-                problem = "the prompts have images, whose inputs are laid out along the padded rows"
-            else:
-                problem = rows_packing_problem(rows_tensors[1], rows_tensors[3])
+            subject, problem = "these", _rows_padded_only(rows_tensors, with_images)
         self._note_padded_rows("padding_free", subject, problem, "not packed ones")
         return problem is None
 
@@ -244,13 +240,9 @@ class PolicyLogps:
                 "logits post-processed after the head)"
             )
         if problem is None:
-            subject = "these"
-            if with_images:
-                problem = "the prompts have images, whose inputs are laid out along the padded rows"
-            elif router_aux_loss:
+            subject, problem = "these", _rows_padded_only(rows_tensors, with_images)
+            if router_aux_loss and not with_images:  # the images, then the router, then the rows: the first named
                 problem = "the router's load-balancing loss counts every row's prompt tokens"
-            else:
-                problem = rows_packing_problem(rows_tensors[1], rows_tensors[3])
         self._note_padded_rows("share_prompt_forward", subject, problem, "each reading its prompt")
         # Rows that share no prompt (one completion per prompt in this batch) are the padded pass itself.
         return problem is None and len(prompt_runs(rows_tensors[0], rows_tensors[1]).firsts) < len(rows_tensors[0])
@@ -284,6 +276,13 @@ class PolicyLogps:
             return self.batched(reference, batch)
         with unwrap(policy).disable_adapter():
             return self.batched(policy, batch)
+
+
+def _rows_padded_only(rows_tensors: list[torch.Tensor], with_images: bool) -> str | None:
+    """Why these rows can go through the model only padded (neither packed nor with shared prompts), or None."""
+    if with_images:
+        return "the prompts have images, whose inputs are laid out along the padded rows"
+    return rows_packing_problem(rows_tensors[1], rows_tensors[3])
 
 
 def _selected_rows(batch: Mapping[str, Any], rows: torch.Tensor | None) -> torch.Tensor | None:
