@@ -11,7 +11,7 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, ContextManager, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ class PolicyLogps:
         padding_free: bool = False,
         head_kernel: str = "torch",
         token_budget: int | None = None,
-        autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         share_prompts: bool = False,
     ):
         self.temperature = temperature
@@ -92,7 +92,7 @@ class PolicyLogps:
         padding_free: bool = False,
         head_kernel: str = "torch",
         token_budget: int | None = None,
-        autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         share_prompts: bool = False,
     ) -> PolicyLogps:
         """The settings that fit ``model`` (as the trainer wraps it): chunks, Liger and the Triton head only where

@@ -12,11 +12,11 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 from datasets import Dataset
 from split_group_workers import PROMPTS, count_shared_passes, train, two_process_worker
 from test_distributed import free_port
 from test_split_groups import assert_same_weights_after_every_step, assert_steps_move_the_weights
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from targetpo import TargetPOConfig
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
