@@ -10,8 +10,11 @@ weighted sum of the log-probs to the hidden states and the head's weight:
 * ``triton``: the same chunks through ``targetpo/modeling/triton_head.py``: the logits in the head's dtype (autocast's
   under autocast), read by fused kernels with float32 arithmetic, in forward and backward.
 * ``trl``: the full ``(N, V)`` logits by ``nn.Linear``, divided by the temperature, then TRL's
-  ``selective_log_softmax`` and ``entropy_from_logits`` (``trl.trainer.utils``), as its GRPO trainer calls them. TRL
-  is a benchmark-only dependency: without it (``pip install trl``) this row is skipped.
+  ``selective_log_softmax`` and ``entropy_from_logits`` (``trl.trainer.utils``), as its GRPO trainer called them
+  before 1.16. TRL is a benchmark-only dependency: without it (``pip install trl``) this row is skipped.
+* ``trl_fused``: TRL 1.16's own chunked head, ``trl.kernels.ChunkedLogProbFunction`` (cuBLAS tiles folded by a
+  Triton kernel; torch operations without a GPU), at the vocabulary chunk its GRPO trainer uses: what TRL 1.16's
+  trainer computes its log-probs and entropies with (``add_fused_lm_head``). Skipped where TRL lacks it.
 
 Two settings: ``bf16`` (weights and hidden states in bf16, as a model loaded in bf16) and
 ``fp32_master_bf16_autocast`` (float32 weights and hidden states under ``torch.autocast(bfloat16)``, as
@@ -41,7 +44,7 @@ from torch import nn
 
 from targetpo.modeling import logps as kernels
 
-HEADS = ("torch", "triton", "trl")
+HEADS = ("torch", "triton", "trl", "trl_fused")
 SETTINGS = ("bf16", "fp32_master_bf16_autocast")
 
 
@@ -74,6 +77,15 @@ def trl_head_or_problem():
     return selective_log_softmax, entropy_from_logits
 
 
+def trl_fused_problem() -> str | None:
+    """Why TRL's own chunked head cannot be had, or None."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+    except ImportError as error:
+        return f"this TRL has no chunked head ({error}): pip install 'trl>=1.16'"
+    return None
+
+
 def triton_problem(device: torch.device) -> str | None:
     """Why the Triton head cannot run here, or None."""
     try:
@@ -89,7 +101,16 @@ def head_step(head_name, head, hidden, token_ids, upstream, args, autocast, trl_
     hidden.grad = None
     context = torch.autocast(hidden.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with context:
-        if head_name == "trl":
+        if head_name == "trl_fused":
+            from trl.kernels import ChunkedLogProbFunction
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+            logps, entropies = ChunkedLogProbFunction.apply(
+                hidden, head.weight, None, token_ids, args.temperature, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                ("entropy",),
+            )[:2]
+            entropies = entropies.detach()
+        elif head_name == "trl":
             selective_log_softmax, entropy_from_logits = trl_functions
             logits = head(hidden) / args.temperature
             logps = selective_log_softmax(logits, token_ids)
@@ -177,7 +198,7 @@ def measure_setting(setting, heads, args, device, trl_functions) -> list[dict]:
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    problems = {"triton": triton_problem(device), "trl": None}
+    problems = {"triton": triton_problem(device), "trl": None, "trl_fused": trl_fused_problem()}
     trl_functions = trl_head_or_problem()
     if isinstance(trl_functions, str):
         problems["trl"], trl_functions = trl_functions, None

@@ -68,8 +68,9 @@ from targetpo.demo import (  # noqa: E402
 )
 
 TRAINERS = ("targetpo", "targetpo_no_skipping", "trl")
-#: Variants run only when named in ``--trainers``: targetpo with each group's prompt read once (share_prompt_forward).
-OPTIONAL_TRAINERS = ("targetpo_shared_prompts",)
+#: Variants run only when named in ``--trainers``: targetpo with each group's prompt read once (share_prompt_forward),
+#: and the output head's two kernels named (the default, "auto", is Triton's on an NVIDIA GPU and torch's elsewhere).
+OPTIONAL_TRAINERS = ("targetpo_shared_prompts", "targetpo_triton", "targetpo_torch_head")
 #: The trainer of ``--before``: targetpo at an older commit, run in its own process.
 BEFORE = "targetpo_before"
 #: Settings of the Qwen2-shaped model (``--model qwen2``); left out of the saved settings for the demo model.
@@ -277,6 +278,8 @@ def main() -> None:
         # The same trainer putting every completion through the model, as TRL does: what skipping saves.
         "targetpo_no_skipping": (TargetPOTrainer, TargetPOConfig, {"skip_zero_gradient_completions": False}),
         "targetpo_shared_prompts": (TargetPOTrainer, TargetPOConfig, {"share_prompt_forward": True}),
+        "targetpo_triton": (TargetPOTrainer, TargetPOConfig, {"logps_head_kernel": "triton"}),
+        "targetpo_torch_head": (TargetPOTrainer, TargetPOConfig, {"logps_head_kernel": "torch"}),
         # TRL's config turns on bf16 and gradient checkpointing by default; targetpo's (TrainingArguments') does not.
         "trl": (GRPOTrainer, GRPOConfig, {"bf16": False, "gradient_checkpointing": False}),
     }

@@ -24,7 +24,7 @@ VLLM_MODES = ("server", "colocate")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "gloo")
 #: What computes the chunked output head's log-probs and entropies from its logits.
-LOGPS_HEAD_KERNELS = ("torch", "triton")
+LOGPS_HEAD_KERNELS = ("auto", "torch", "triton")
 #: Fields never shown in printed or logged configs.
 SECRET_FIELDS = ("vllm_server_api_key",)
 
@@ -377,13 +377,15 @@ class GRPOConfig(TrainingArguments):
         },
     )
     logps_head_kernel: str = field(
-        default="torch",
+        default="auto",
         metadata={
             "help": "What computes a chunked plain linear output head's token log-probs and entropies from its "
-            "logits: 'torch' (float32 logits, a written-out backward pass) or 'triton' (fused Triton kernels that "
+            "logits: 'torch' (float32 logits, a written-out backward pass), 'triton' (fused Triton kernels that "
             "read the logits in the head's dtype, bf16 staying bf16, with float32 arithmetic, in the forward and "
-            "backward passes; needs a GPU). Where 'triton' cannot apply (logps_chunk_size=0, sharded weights, an "
-            "adapted, quantised, hooked or post-processed head) a warning says so and torch computes the head.",
+            "backward passes; needs a GPU), or 'auto' (the default): 'triton' on a CUDA GPU where Triton is "
+            "installed and the kernels apply, 'torch' everywhere else, without a warning. Where an explicit "
+            "'triton' cannot apply (logps_chunk_size=0, sharded weights, an adapted, quantised, hooked or "
+            "post-processed head) a warning says so and torch computes the head.",
             "choices": LOGPS_HEAD_KERNELS,
         },
     )
@@ -785,11 +787,11 @@ class GRPOConfig(TrainingArguments):
                 "async_rollouts=True generates on a vLLM server while training goes on: set use_vllm=True and "
                 "vllm_mode='server' (or async_rollouts=False)."
             )
-        if self.use_liger_kernel and self.logps_head_kernel != "torch":
+        if self.use_liger_kernel and self.logps_head_kernel == "triton":
             raise ValueError(
                 f"use_liger_kernel=True computes the training log-probs with Liger's fused kernel, and "
                 f"logps_head_kernel={self.logps_head_kernel!r} with another one: choose one (logps_head_kernel='torch' "
-                "with Liger)."
+                "or 'auto' with Liger)."
             )
         if self.share_prompt_forward and self.padding_free:
             raise ValueError(

@@ -8,6 +8,7 @@ what to feed them, and whether rows go through the model packed (``padding_free`
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -25,7 +26,7 @@ from .modeling.logps import (
     supports_chunked_head,
     triton_head_problem,
 )
-from .modeling.packing import model_packing_problem, rows_packing_problem
+from .modeling.packing import gpu_packing_cost, model_packing_problem, rows_packing_problem
 from .modeling.shared_prompt import model_sharing_problem, prompt_runs
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
 from .token_budget import joined_by_rows, pass_row_masks, pass_token_shares
@@ -103,8 +104,18 @@ class PolicyLogps:
         liger = use_liger_kernel and _liger_can_compute_logps(model, sharded, bool(suppressed))
         if liger:
             chunk_size = chunk_size or 512  # the entropy metric is still computed in chunks
-        if head_kernel == "triton" and not _triton_can_compute_logps(model, sharded, asked_chunk_size):
+        triton_problem = _triton_logps_problem(model, sharded, asked_chunk_size)
+        if head_kernel == "auto":
+            head_kernel = auto_head_kernel(device, liger, triton_problem)
+        elif head_kernel == "triton" and triton_problem is not None:
+            warnings.warn(
+                f"logps_head_kernel='triton': the log-probs are computed by torch instead because {triton_problem}.",
+                stacklevel=3,
+            )
             head_kernel = "torch"
+        packing_cost = gpu_packing_cost(unwrapped, device) if padding_free else None
+        if packing_cost is not None:
+            warnings.warn(packing_cost, stacklevel=3)
         suppressed_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=device)
         use_position_ids = forward_accepts_position_ids(unwrapped)
         return cls(
@@ -322,17 +333,20 @@ def _liger_can_compute_logps(model: nn.Module, sharded: bool, suppresses_tokens:
     return problem is None
 
 
-def _triton_can_compute_logps(model: nn.Module, sharded: bool, chunk_size: int | None) -> bool:
-    """Whether the Triton head can compute the log-probs (a chunked plain linear head); if not, a warning says why."""
+def _triton_logps_problem(model: nn.Module, sharded: bool, chunk_size: int | None) -> str | None:
+    """Why the Triton head cannot compute the log-probs (it needs a chunked plain linear head), or None."""
     if sharded:
-        problem = "the weights are sharded (ZeRO-3 or FSDP2) and the kernels need the whole output head"
-    elif not chunk_size:
-        problem = "logps_chunk_size=0 asks for one full logits tensor, computed by the model"
-    else:
-        problem = triton_head_problem(model)
-    if problem is not None:
-        warnings.warn(
-            f"logps_head_kernel='triton': the log-probs are computed by torch instead because {problem}.",
-            stacklevel=4,
-        )
-    return problem is None
+        return "the weights are sharded (ZeRO-3 or FSDP2) and the kernels need the whole output head"
+    if not chunk_size:
+        return "logps_chunk_size=0 asks for one full logits tensor, computed by the model"
+    return triton_head_problem(model)
+
+
+def auto_head_kernel(device: torch.device, liger: bool, triton_problem: str | None) -> str:
+    """``logps_head_kernel="auto"``: the Triton head on an NVIDIA GPU where it applies, torch everywhere else.
+
+    On one H200 the Triton head took the bf16 training step from 1.51x TRL's time to 0.96x
+    (docs/benchmarks.md); on the CPU its kernels only run in Triton's interpreter, far slower than torch."""
+    if device.type != "cuda" or torch.version.hip is not None or liger or triton_problem is not None:
+        return "torch"  # the kernels were measured on NVIDIA GPUs only
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"

@@ -30,7 +30,7 @@ import targetpo.policy_logps as policy_logps_module
 from targetpo import TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm
 from targetpo.modeling.logps import completion_logps, packed_completion_logps
-from targetpo.modeling.packing import model_packing_problem, pack_rows
+from targetpo.modeling.packing import gpu_packing_cost, model_packing_problem, pack_rows
 from targetpo.policy_logps import PolicyLogps
 
 VOCAB = 64
@@ -301,3 +301,23 @@ def test_a_training_step_with_padding_free_gives_the_padded_steps_weights(
     assert moved > 1e-3
     for name, value in weights[False].items():
         assert (weights[True][name] - value).abs().max() < 1e-5, name
+
+
+def test_on_a_gpu_packing_under_masked_attention_is_named_as_slower(tiny_model):
+    # Only the attention implementation and the device's type are read: no GPU is needed to check the note.
+    cuda = torch.device("cuda")
+    note = gpu_packing_cost(tiny_model, cuda)
+    assert "attn_implementation='sdpa' on a GPU" in note and "flex_attention" in note
+    tiny_model.config._attn_implementation = "eager"
+    assert "attn_implementation='eager'" in gpu_packing_cost(tiny_model, cuda)
+    for attention in ("flex_attention", "flash_attention_2", "kernels-community/flash-attn3"):
+        tiny_model.config._attn_implementation = attention
+        assert gpu_packing_cost(tiny_model, cuda) is None, attention  # they skip the other sequences
+    tiny_model.config._attn_implementation = "sdpa"
+    assert gpu_packing_cost(tiny_model, torch.device("cpu")) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on the CPU, packing under sdpa gives no such warning
+        PolicyLogps.for_model(
+            tiny_model, tiny_model, 1.0, set(), torch.device("cpu"), False, False, 512, rows_per_pass=8,
+            padding_free=True,
+        )  # fmt: skip

@@ -19,6 +19,9 @@ from .loading import forward_accepts_position_ids, is_peft_model
 #: Attention implementations that transformers keeps packed sequences apart in; a flash-attention kernel from the
 #: Hub ("kernels-community/flash-attn...") is any other name containing "flash".
 PACKING_ATTENTIONS = ("eager", "sdpa", "flex_attention")
+#: Attention implementations that see a packed row whole, through a block-diagonal mask, where flash and flex
+#: attention skip the blocks between sequences: on a GPU their packed pass does more work than the padded one.
+MASKED_PACKING_ATTENTIONS = ("eager", "sdpa")
 #: Layer types whose attention depends only on the positions within a sequence; others (chunked attention, whose
 #: chunks start at fixed offsets of the row, and recurrent or convolutional layers, whose state runs on from one
 #: sequence into the next) would mix the sequences of a packed row.
@@ -129,4 +132,31 @@ def _probe_problem(model: nn.Module, base: nn.Module) -> str | None:
     return (
         "its forward pass lets a packed sequence attend to the one before it (it masks attention without the "
         "position ids)"
+    )
+
+
+def gpu_packing_cost(model: nn.Module, device: torch.device) -> str | None:
+    """Why packing would slow ``model``'s pass on ``device`` instead of speeding it up, or None.
+
+    Under sdpa or eager attention a packed row of n tokens is attended as one n x n block-diagonal mask, so its
+    attention costs grow with the square of the whole row; on one H200 the packed pass of 16 sequences took 2.0x the
+    padded pass's time under sdpa, and 0.57x under flex attention (docs/benchmarks.md). On the CPU, where the
+    alternatives were not measured, packing under sdpa pays where most of a padded batch is padding and costs a third
+    more where lengths spread evenly, so no note is given there."""
+    if device.type != "cuda":
+        return None
+    model = getattr(model, "module", model)
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = getattr(base, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    attention = getattr(config.get_text_config(decoder=True), "_attn_implementation", None) or "eager"
+    if attention not in MASKED_PACKING_ATTENTIONS:
+        return None
+    return (
+        f"padding_free=True with attn_implementation={attention!r} on a GPU: {attention} attention reads each packed "
+        "row through one block-diagonal mask over all of its tokens, so the packed pass can take longer than the "
+        "padded one (2.0x on one H200 in docs/benchmarks.md). Load the model with "
+        "attn_implementation='flex_attention' (0.57x the padded pass there) or a flash-attention kernel, which skip "
+        "the other sequences."
     )
