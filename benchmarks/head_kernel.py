@@ -24,7 +24,7 @@ log-probs, entropies and gradients are from the torch head's.
 
 On one GPU (a 151,936-token vocabulary, hidden size 896: Qwen2.5-0.5B's head; 8,192 positions):
 
-    python benchmarks/head_kernel.py --device cuda --output docs/benchmarks/head_kernel_h100.json
+    python benchmarks/head_kernel.py --device cuda --output docs/benchmarks/head_kernel_h200.json
 
 A smoke test of the script on the CPU, the Triton head in Triton's interpreter (tiny sizes; no timings to keep):
 
@@ -81,6 +81,7 @@ def trl_fused_problem() -> str | None:
     """Why TRL's own chunked head cannot be had, or None."""
     try:
         from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE  # noqa: F401
     except ImportError as error:
         return f"this TRL has no chunked head ({error}): pip install 'trl>=1.16'"
     return None

@@ -11,7 +11,7 @@ the first. ``--memory_gib`` caps what the process may allocate (``torch.cuda.set
 to stand for a smaller card on a larger one.
 
     python benchmarks/large_group.py --device cuda --num_generations 16 --completion_length 4096 \
-        --micro_batches 2 16 --output docs/benchmarks/large_group_h200.json
+        --micro_batches 2 16 --output docs/benchmarks/large_group_h200_4096.json
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--logps_head_kernel", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--memory_gib", type=float, default=None, help="Cap on the process's GPU memory.")
     parser.add_argument("--hidden_size", type=int, default=896)
     parser.add_argument("--num_layers", type=int, default=12)
@@ -99,6 +100,7 @@ def one_run(args: argparse.Namespace, micro_batch: int) -> dict:
         num_iterations=args.num_iterations,
         max_completion_length=args.completion_length,
         gradient_checkpointing=args.gradient_checkpointing,
+        logps_head_kernel=args.logps_head_kernel,
         bf16=args.dtype == "bfloat16",
         use_cpu=not on_gpu,
         learning_rate=1e-5,

@@ -382,8 +382,9 @@ class GRPOConfig(TrainingArguments):
             "help": "What computes a chunked plain linear output head's token log-probs and entropies from its "
             "logits: 'torch' (float32 logits, a written-out backward pass), 'triton' (fused Triton kernels that "
             "read the logits in the head's dtype, bf16 staying bf16, with float32 arithmetic, in the forward and "
-            "backward passes; needs a GPU), or 'auto' (the default): 'triton' on a CUDA GPU where Triton is "
-            "installed and the kernels apply, 'torch' everywhere else, without a warning. Where an explicit "
+            "backward passes; needs a GPU), or 'auto' (the default): 'triton' on an NVIDIA GPU of compute "
+            "capability 8.0 or above where Triton is installed, its kernels run and they apply, 'torch' everywhere "
+            "else, without a warning (but for kernels that fail to run on such a GPU). Where an explicit "
             "'triton' cannot apply (logps_chunk_size=0, sharded weights, an adapted, quantised, hooked or "
             "post-processed head) a warning says so and torch computes the head.",
             "choices": LOGPS_HEAD_KERNELS,

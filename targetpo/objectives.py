@@ -106,12 +106,16 @@ class TargetObjective(Objective):
         """q from the old log-probs, when the rollout has them (the weights move before it is trained on)."""
         if batch.old_per_token_logps is None or batch.old_logps_from_first_use is not None:
             return None  # the first use builds q: from its own log-probs, or once it has completed the old ones
+        targets_all = self._targets_from_old_logps(batch, advantages_all, valid_all, self.accelerator.gather)
+        return targets_all[self.local_rows(len(batch))]
+
+    def _targets_from_old_logps(
+        self, batch: RolloutBatch, advantages: torch.Tensor, valid: torch.Tensor, gather: Callable
+    ) -> torch.Tensor:
+        """q from the rollout's old log-probs, ``gather`` putting every process's rows together (or leaving them)."""
         args = self.args
         old = F.sequence_logps(batch.old_per_token_logps, batch.completion_mask, args.tpo_length_normalize_logps)
-        targets_all = F.tpo_targets(
-            self.accelerator.gather(old), advantages_all, args.num_generations, valid_all, args.tpo_target_temperature
-        )
-        return targets_all[self.local_rows(len(batch))]
+        return F.tpo_targets(gather(old), advantages, args.num_generations, valid, args.tpo_target_temperature)
 
     def loss(self, per_token_logps, batch, mask, valid, mode, token_weights=None) -> ObjectiveResult:
         if token_weights is not None:  # the values, and so p and q, stay; the left-out tokens get no gradient
@@ -151,9 +155,7 @@ class TargetObjective(Objective):
                 gather_all = self.accelerator.gather
                 built = self.targets_at_rollout(batch, gather_all(batch.advantages), gather_all(batch.valid))
             else:  # no collective: under token-budget passes each process completes its old log-probs in its own pass
-                normalize, eta = args.tpo_length_normalize_logps, args.tpo_target_temperature
-                old = F.sequence_logps(batch.old_per_token_logps, batch.completion_mask, normalize)
-                built = F.tpo_targets(old, batch.advantages, group_size, batch.valid, eta)
+                built = self._targets_from_old_logps(batch, batch.advantages, batch.valid, gather)
             targets_all = gather(built)
         elif batch.cache.targets is None:
             targets_all = F.tpo_targets(

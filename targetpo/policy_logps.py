@@ -110,12 +110,12 @@ class PolicyLogps:
         elif head_kernel == "triton" and triton_problem is not None:
             warnings.warn(
                 f"logps_head_kernel='triton': the log-probs are computed by torch instead because {triton_problem}.",
-                stacklevel=3,
+                stacklevel=4,
             )
             head_kernel = "torch"
         packing_cost = gpu_packing_cost(unwrapped, device) if padding_free else None
         if packing_cost is not None:
-            warnings.warn(packing_cost, stacklevel=3)
+            warnings.warn(packing_cost, stacklevel=4)
         suppressed_ids = torch.tensor(sorted(suppressed), dtype=torch.long, device=device)
         use_position_ids = forward_accepts_position_ids(unwrapped)
         return cls(
@@ -327,7 +327,7 @@ def _liger_can_compute_logps(model: nn.Module, sharded: bool, suppresses_tokens:
     if problem is not None:
         warnings.warn(
             f"use_liger_kernel: the training log-probs do not use Liger's fused kernel because {problem}; they "
-            "are computed in chunks by torch instead.",
+            "are computed by targetpo's chunked head instead.",
             stacklevel=4,
         )
     return problem is None
@@ -343,10 +343,26 @@ def _triton_logps_problem(model: nn.Module, sharded: bool, chunk_size: int | Non
 
 
 def auto_head_kernel(device: torch.device, liger: bool, triton_problem: str | None) -> str:
-    """``logps_head_kernel="auto"``: the Triton head on an NVIDIA GPU where it applies, torch everywhere else.
+    """``logps_head_kernel="auto"``: the Triton head on an NVIDIA GPU of compute capability 8.0 or above (Ampere and
+    later) where it applies and its kernels run, torch everywhere else.
 
-    On one H200 the Triton head took the bf16 training step from 1.51x TRL's time to 0.96x
-    (docs/benchmarks.md); on the CPU its kernels only run in Triton's interpreter, far slower than torch."""
+    On one H200 the Triton head took the bf16 training step from 1.51x TRL's time to 0.96x (docs/benchmarks.md); on
+    the CPU its kernels only run in Triton's interpreter, far slower than torch. Older and non-NVIDIA GPUs were never
+    measured. A GPU where the kernels fail to compile or launch (no C compiler, say) gets torch, with a warning saying
+    why, since that is fixable."""
     if device.type != "cuda" or torch.version.hip is not None or liger or triton_problem is not None:
-        return "torch"  # the kernels were measured on NVIDIA GPUs only
-    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+        return "torch"
+    if importlib.util.find_spec("triton") is None or torch.cuda.get_device_capability(device) < (8, 0):
+        return "torch"
+    from .modeling.triton_head import launch_problem
+
+    problem = launch_problem(device)
+    if problem is not None:
+        warnings.warn(
+            f"logps_head_kernel='auto': torch computes the output head because Triton's kernels failed to run on "
+            f"this GPU ({problem}). Fix Triton's set-up to get its head, or set logps_head_kernel='torch' to "
+            "silence this.",
+            stacklevel=4,
+        )
+        return "torch"
+    return "triton"

@@ -265,3 +265,89 @@ def test_generator_samples_from_allowed_tokens_and_respects_length(tiny_model, t
         assert set(row[:length].tolist()) <= allowed
     assert torch.equal(completions.loss_mask, completions.attention_mask)  # every generated token is trained on
     assert forward_accepts_position_ids(tiny_model)
+
+
+# ------------------------------------------------------------------------------ logps_head_kernel="auto"
+# No GPU here: the CUDA device's capability and the kernels' launch are stood in for (monkeypatched); the choice
+# around them is what is checked. Whether the kernels run on a GPU is tests/scripts/triton_head_checks.py's part.
+def test_auto_picks_the_triton_head_only_on_an_nvidia_gpu_where_it_runs_and_applies(monkeypatch):
+    import importlib.util
+
+    import targetpo.policy_logps as policy_logps_module
+    from targetpo.policy_logps import auto_head_kernel
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    capability, launch = (9, 0), None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    triton_found = importlib.util.find_spec("triton") is not None
+    if triton_found:
+        from targetpo.modeling import triton_head
+
+        monkeypatch.setattr(triton_head, "launch_problem", lambda device: launch)
+    assert auto_head_kernel(cuda, liger=False, triton_problem=None) == ("triton" if triton_found else "torch")
+    assert auto_head_kernel(cpu, liger=False, triton_problem=None) == "torch"  # the interpreter would be far slower
+    assert auto_head_kernel(cuda, liger=True, triton_problem=None) == "torch"  # Liger computes the log-probs
+    assert auto_head_kernel(cuda, liger=False, triton_problem="the weights are sharded") == "torch"
+    capability = (7, 5)  # before Ampere: never measured
+    assert auto_head_kernel(cuda, liger=False, triton_problem=None) == "torch"
+    capability = (8, 0)
+    if triton_found:
+        launch = "RuntimeError: Failed to find C compiler"
+        with pytest.warns(UserWarning, match="'auto': torch computes the output head .*Failed to find C compiler"):
+            assert auto_head_kernel(cuda, liger=False, triton_problem=None) == "torch"
+        launch = None
+    monkeypatch.setattr(policy_logps_module.importlib.util, "find_spec", lambda name: None)  # no Triton installed
+    assert auto_head_kernel(cuda, liger=False, triton_problem=None) == "torch"
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # ROCm: the kernels were never measured on AMD GPUs
+    assert auto_head_kernel(cuda, liger=False, triton_problem=None) == "torch"
+
+
+def test_the_trainer_resolves_auto_from_the_model_and_the_settings(tiny_model, monkeypatch):
+    import warnings
+
+    import targetpo.policy_logps as policy_logps_module
+    from targetpo.policy_logps import PolicyLogps
+
+    asked = []
+
+    def spy(device, liger, triton_problem):
+        asked.append((device.type, liger, triton_problem))
+        return "torch"
+
+    monkeypatch.setattr(policy_logps_module, "auto_head_kernel", spy)
+
+    def settings(chunk_size=512, liger=False, head_kernel="auto"):
+        return PolicyLogps.for_model(
+            tiny_model, tiny_model, 1.0, set(), torch.device("cpu"), False, liger, chunk_size, rows_per_pass=8,
+            head_kernel=head_kernel,
+        )  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" choosing torch says nothing
+        settings()
+        settings(chunk_size=0)
+        settings(liger=True)
+        settings(head_kernel="torch")  # a named kernel is not "auto"'s to choose
+    assert asked == [
+        ("cpu", False, None),
+        ("cpu", False, "logps_chunk_size=0 asks for one full logits tensor, computed by the model"),
+        ("cpu", True, None),
+    ]
+    monkeypatch.undo()
+    assert settings().head_kernel == "torch"  # the real choice on the CPU
+
+
+def test_the_default_trainer_computes_the_head_with_torch_on_the_cpu(tmp_path, tiny_model, tokenizer):
+    from conftest import count_letters_reward, make_config
+    from datasets import Dataset
+
+    from targetpo import TargetPOConfig, TargetPOTrainer
+
+    assert TargetPOConfig(output_dir=str(tmp_path)).logps_head_kernel == "auto"
+    make_config(tmp_path, use_liger_kernel=True)  # "auto" leaves the head to Liger; "triton" is refused with it
+    dataset = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=make_config(tmp_path), train_dataset=dataset, processing_class=tokenizer
+    )
+    assert trainer._logps.head_kernel == "torch"

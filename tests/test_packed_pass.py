@@ -303,7 +303,7 @@ def test_a_training_step_with_padding_free_gives_the_padded_steps_weights(
         assert (weights[True][name] - value).abs().max() < 1e-5, name
 
 
-def test_on_a_gpu_packing_under_masked_attention_is_named_as_slower(tiny_model):
+def test_on_a_gpu_packing_under_masked_attention_is_named_as_slower(tiny_model, monkeypatch):
     # Only the attention implementation and the device's type are read: no GPU is needed to check the note.
     cuda = torch.device("cuda")
     note = gpu_packing_cost(tiny_model, cuda)
@@ -315,9 +315,20 @@ def test_on_a_gpu_packing_under_masked_attention_is_named_as_slower(tiny_model):
         assert gpu_packing_cost(tiny_model, cuda) is None, attention  # they skip the other sequences
     tiny_model.config._attn_implementation = "sdpa"
     assert gpu_packing_cost(tiny_model, torch.device("cpu")) is None
+
+    def settings(padding_free):
+        return PolicyLogps.for_model(
+            tiny_model, tiny_model, 1.0, set(), torch.device("cpu"), False, False, 512, rows_per_pass=8,
+            padding_free=padding_free,
+        )  # fmt: skip
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # on the CPU, packing under sdpa gives no such warning
-        PolicyLogps.for_model(
-            tiny_model, tiny_model, 1.0, set(), torch.device("cpu"), False, False, 512, rows_per_pass=8,
-            padding_free=True,
-        )  # fmt: skip
+        settings(padding_free=True)
+    # The trainer's settings give the note as a warning, when padding_free is on (the GPU stood in for).
+    monkeypatch.setattr(policy_logps_module, "gpu_packing_cost", lambda model, device: "packing costs more here")
+    with pytest.warns(UserWarning, match="packing costs more here"):
+        settings(padding_free=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings(padding_free=False)

@@ -18,7 +18,7 @@ from conftest import count_letters_reward, make_config
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.modeling.loading import cast_output_head_to_fp32
 from targetpo.modeling.logps import triton_head_problem
-from targetpo.policy_logps import PolicyLogps, auto_head_kernel
+from targetpo.policy_logps import PolicyLogps
 
 triton_head = pytest.importorskip("targetpo.modeling.triton_head", reason="needs Triton: pip install triton")
 
@@ -65,36 +65,6 @@ def test_liger_and_the_triton_head_are_not_asked_for_together(tmp_path):
         make_config(tmp_path, use_liger_kernel=True, logps_head_kernel="triton")
     assert TargetPOConfig(output_dir=str(tmp_path)).logps_head_kernel == "auto"
     make_config(tmp_path, use_liger_kernel=True)  # "auto" leaves the head to Liger
-
-
-def test_auto_picks_the_triton_head_only_on_an_nvidia_gpu_where_it_applies(monkeypatch):
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert auto_head_kernel(cuda, liger=False, triton_problem=None) == "triton"
-    assert auto_head_kernel(cpu, liger=False, triton_problem=None) == "torch"  # the interpreter would be far slower
-    assert auto_head_kernel(cuda, liger=True, triton_problem=None) == "torch"  # Liger computes the log-probs
-    assert auto_head_kernel(cuda, liger=False, triton_problem="the weights are sharded") == "torch"
-    monkeypatch.setattr(torch.version, "hip", "6.4")  # ROCm: the kernels were never measured on AMD GPUs
-    assert auto_head_kernel(cuda, liger=False, triton_problem=None) == "torch"
-
-
-def test_auto_computes_the_head_with_torch_on_the_cpu_without_a_warning(
-    tmp_path, tiny_model, tokenizer, prompt_dataset
-):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for chunk_size in (512, 0):  # where the Triton head would apply, and where it would not
-            settings = PolicyLogps.for_model(
-                tiny_model, tiny_model, 1.0, set(), torch.device("cpu"), False, False, chunk_size, rows_per_pass=8,
-                head_kernel="auto",
-            )  # fmt: skip
-            assert settings.head_kernel == "torch"
-    trainer = TargetPOTrainer(
-        tiny_model, count_letters_reward, args=make_config(tmp_path), train_dataset=prompt_dataset,
-        processing_class=tokenizer,
-    )  # fmt: skip
-    assert trainer._logps.head_kernel == "torch"
 
 
 @pytest.mark.skipif(

@@ -134,7 +134,8 @@ def require_triton(device: torch.device) -> None:
     problem = device_problem(device)
     if problem is not None:
         raise ValueError(
-            f"logps_head_kernel='triton' cannot run here: {problem}. Use logps_head_kernel='torch' (the default)."
+            f"logps_head_kernel='triton' cannot run here: {problem}. Use logps_head_kernel='torch', or 'auto' (the "
+            "default), which picks torch here."
         )
 
 

@@ -148,6 +148,18 @@ def device_problem(device: torch.device) -> str | None:
     )
 
 
+def launch_problem(device: torch.device) -> str | None:
+    """Why the kernels fail to compile or launch on ``device``, or None once one has run there. Triton compiles
+    each kernel, and its launcher, when first called: a missing C compiler or Python headers, or a GPU its compiler
+    does not support, show up only then."""
+    try:
+        logits_stats(torch.zeros(2, 8, device=device), torch.zeros(2, dtype=torch.long, device=device), 1.0)
+    except Exception as error:  # noqa: BLE001 -- whatever stops the kernels here; the caller uses torch instead
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"{type(error).__name__}: {first_line}"
+    return None
+
+
 def _launch_settings(logits: torch.Tensor, block_size: int | None) -> dict:
     """The block and warps of a launch over ``logits``, after checking that the kernels can run on its device."""
     problem = device_problem(logits.device)

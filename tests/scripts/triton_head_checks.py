@@ -291,3 +291,15 @@ def test_a_training_step_with_the_triton_head_gives_the_torch_heads_weights(tmp_
     assert any(not torch.equal(p, weights["torch"][name]) for name, p in base.named_parameters())
     for name, torch_weight in weights["torch"].items():
         torch.testing.assert_close(weights["triton"][name], torch_weight, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="'auto' picks the Triton head on NVIDIA GPUs only")
+def test_on_a_gpu_the_default_head_is_the_triton_one(tmp_path):
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0).to(DEVICE)
+    trainer = TargetPOTrainer(
+        model, letters_then_position_reward, args=make_config(tmp_path), processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]}),
+    )  # fmt: skip
+    expected = "triton" if torch.cuda.get_device_capability() >= (8, 0) else "torch"
+    assert trainer._logps.head_kernel == expected
