@@ -5,6 +5,7 @@ Field names follow the ones GRPO users already know, so that a GRPO script moves
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -437,8 +438,8 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Server mode: the key the server requires (`targetpo-vllm-serve --api-key`, or VLLM_API_KEY in "
             "its environment), sent as `Authorization: Bearer <key>` on every request. None: VLLM_API_KEY from the "
-            "training processes' environment, if set (the better place: a config's fields are saved with "
-            "checkpoints in training_args.bin)."
+            "training processes' environment, if set. Left out of the configs saved with checkpoints "
+            "(training_args.bin)."
         },
     )
     vllm_weight_transfer_backend: str = field(
@@ -734,6 +735,19 @@ class GRPOConfig(TrainingArguments):
             if values.get(name) is not None:
                 values[name] = f"<{name.upper()}>"
         return values
+
+    @contextlib.contextmanager
+    def secrets_left_out(self) -> typing.Iterator[None]:
+        """The secret fields (the server's API key) read None inside the block: the Trainer pickles the whole config
+        into every checkpoint's ``training_args.bin``, which should not carry the key. The backend read it at start."""
+        kept = {name: getattr(self, name) for name in SECRET_FIELDS}
+        for name in SECRET_FIELDS:
+            object.__setattr__(self, name, None)
+        try:
+            yield
+        finally:
+            for name, value in kept.items():
+                object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
         # TrainingArguments' own rendering, which hides only *_token fields.

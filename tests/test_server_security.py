@@ -311,3 +311,29 @@ def test_processes_holding_different_keys_are_refused_on_every_process(monkeypat
             vllm_server._check_same_key_everywhere(own_key)
     keys[2] = KEY
     vllm_server._check_same_key_everywhere(KEY)
+
+
+def test_checkpoints_and_saved_models_keep_the_servers_key_out_of_training_args(
+    tmp_path, tiny_model, tokenizer, prompt_dataset
+):
+    import warnings
+
+    import torch
+    from conftest import count_letters_reward, make_config
+
+    from targetpo import TargetPOTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the key is unused without a vLLM server, which the config says
+        args = make_config(tmp_path, max_steps=1, save_strategy="steps", save_steps=1, vllm_server_api_key=KEY)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = [tmp_path / "out" / "checkpoint-1" / "training_args.bin", tmp_path / "saved" / "training_args.bin"]
+    for path in saved:
+        assert KEY.encode() not in path.read_bytes(), path
+        recorded = torch.load(path, weights_only=False)
+        assert recorded.vllm_server_api_key is None and recorded.learning_rate == args.learning_rate, path
+    assert trainer.args.vllm_server_api_key == KEY  # left out of the files only
