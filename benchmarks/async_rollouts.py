@@ -293,8 +293,10 @@ def main() -> None:
                 for layout in args.layouts:
                     for setting in ("sync", "async"):
                         label = f"{layout}-{setting}-{round_index}"
-                        result = run_when_quiet(
-                            lambda attempt: run(setting, layout, args.steps, f"{label}-{attempt}"), args, disturbed
+                        result = run_when_quiet(  # the run is made now, in this iteration
+                            lambda attempt: run(setting, layout, args.steps, f"{label}-{attempt}"),  # noqa: B023
+                            args,
+                            disturbed,
                         )
                         result.update(round=round_index)
                         runs[layout][setting].append(result)

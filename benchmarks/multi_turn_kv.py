@@ -106,11 +106,11 @@ def main() -> None:
         hidden_size, num_layers, num_heads = MODELS[name]
         model = scripted_model(tokenizer, hidden_size, num_layers, num_heads, max_positions=ids.size(1) + budget + 8)
         backends = {
-            reuse: TransformersBackend(settings, lambda: contextlib.nullcontext(model), reuse_kv_cache=reuse)
+            reuse: TransformersBackend(settings, lambda model=model: contextlib.nullcontext(model), reuse_kv_cache=reuse)
             for reuse in (True, False)
         }
 
-        def rollout(reuse: bool):
+        def rollout(reuse: bool, backends=backends):
             torch.manual_seed(0)
             started = time.perf_counter()
             played = loop.run(backends[reuse], ids, mask, toolboxes)

@@ -79,7 +79,7 @@ def main() -> None:
                 max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos), pad_token_id=tokenizer.pad_token_id,
                 temperature=1.0, generation_kwargs={"suppress_tokens": eos},
             )
-            hf = TransformersBackend(settings, lambda: contextlib.nullcontext(model))
+            hf = TransformersBackend(settings, lambda model=model: contextlib.nullcontext(model))
             engine = VLLMColocateBackend(
                 model, settings, max_model_len=64 + max_new_tokens, gpu_memory_utilization=0.2, seed=0
             )

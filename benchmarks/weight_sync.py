@@ -247,8 +247,10 @@ def main() -> None:
                     for path in ("old", "new"):
                         label = f"{name}-{path}-{round_index}"
 
-                        def one_run(attempt: int) -> dict:
-                            run = run_path(path, worktree, policy, served, work, args.repeats, f"{label}-{attempt}")
+                        def one_run(attempt: int, path=path, label=label) -> dict:
+                            run = run_path(
+                                path, worktree, policy, served, work, args.repeats, f"{label}-{attempt}"  # noqa: B023
+                            )  # policy and served: this iteration's, as the run is made now
                             return {"path": path, **run}
 
                         run = run_when_quiet(one_run, args, disturbed, busy_while="busy_with_idle_server")

@@ -152,7 +152,9 @@ def log_completions_to_trackers(table: RolloutTable, report_to: list[str], globa
                 last_step = getattr(run, "_next_step", None)
                 module.log({"completions": completions}, step=None if last_step is None else max(last_step - 1, 0))
         except Exception as error:  # a tracker's hiccup must not end training
-            warnings.warn(f"Logging the completions table to {tracker} failed; training goes on: {error!r}")
+            warnings.warn(
+                f"Logging the completions table to {tracker} failed; training goes on: {error!r}", stacklevel=2
+            )
             continue
         logged.append(tracker)
     return logged

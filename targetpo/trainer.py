@@ -291,7 +291,7 @@ class TargetPOTrainer(Trainer):
         if args.async_rollouts:
             self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
         self._rollout_source = rollout_source(self)  # text or images, tools or environments, or rollout_func
-        self.rollout_backend  # built now: a missing server or a bad setting fails here, before any work
+        self.rollout_backend  # noqa: B018 -- built now: a missing server or a bad setting fails here, before any work
         if args.async_rollouts and self._rollout_source.plays_episodes:
             self._scheduler.check_plays_ahead()  # every process's own connection, opened now
         self._rollout_count = 0

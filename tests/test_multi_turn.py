@@ -26,10 +26,10 @@ from targetpo.demo import (
     PRINTABLE,
     ROLE_TOKENS,
     GuessingGame,
+    Lock,
     build_char_tokenizer,
     build_tiny_causal_lm,
     digits_only_generation_kwargs,
-    Lock,
     guessing_dataset,
     guessing_tokenizer,
     lock_dataset,
@@ -40,8 +40,8 @@ from targetpo.multi_turn import ToolLoop
 from targetpo.tools import (
     HERMES_FIELDS,
     ConversationTemplate,
-    ToolCallLimits,
     Toolbox,
+    ToolCallLimits,
     environment_tools,
     response_template,
 )

@@ -9,7 +9,6 @@ from transformers import GenerationConfig
 
 from ..vision import placeholder_token_ids
 
-
 #: The config's sampling fields and their defaults (each default leaves the model's tempered distribution as it is).
 SAMPLING_FIELD_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
