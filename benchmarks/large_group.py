@@ -29,7 +29,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch
-from step_time import StepTimer, build_qwen2, even_token_fraction, random_prompts_dataset, word_tokenizer
+from step_time import (
+    StepTimer,
+    add_qwen2_shape_arguments,
+    build_qwen2,
+    even_token_fraction,
+    random_prompts_dataset,
+    word_tokenizer,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,12 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--logps_head_kernel", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--memory_gib", type=float, default=None, help="Cap on the process's GPU memory.")
-    parser.add_argument("--hidden_size", type=int, default=896)
-    parser.add_argument("--num_layers", type=int, default=12)
-    parser.add_argument("--num_heads", type=int, default=14)
-    parser.add_argument("--num_kv_heads", type=int, default=2)
-    parser.add_argument("--intermediate_size", type=int, default=4864)
-    parser.add_argument("--vocab_size", type=int, default=151936)
+    add_qwen2_shape_arguments(parser)
     parser.add_argument("--output", default=None)
     parser.add_argument("--one_run", type=int, default=None, help=argparse.SUPPRESS)  # a child's micro-batch size
     return parser.parse_args()

@@ -128,12 +128,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=("demo", "qwen2"), default="demo",
                         help="demo: the embedded demo model on the reversal task; qwen2: a Qwen2-shaped model with "
                         "random weights, a word-level tokenizer of --vocab_size tokens, random prompts, dense reward.")
-    parser.add_argument("--hidden_size", type=int, default=896)
-    parser.add_argument("--num_layers", type=int, default=12)
-    parser.add_argument("--num_heads", type=int, default=14)
-    parser.add_argument("--num_kv_heads", type=int, default=2)
-    parser.add_argument("--intermediate_size", type=int, default=4864)
-    parser.add_argument("--vocab_size", type=int, default=151936)
+    add_qwen2_shape_arguments(parser)
     parser.add_argument("--prompt_length", type=int, default=64, help="Prompt tokens (qwen2 model).")
     parser.add_argument("--completion_length", type=int, default=256, help="max_completion_length (qwen2 model).")
     parser.add_argument("--output", default=None)
@@ -141,6 +136,16 @@ def parse_args() -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------ the Qwen2-shaped GPU setting
+def add_qwen2_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Qwen2-shaped model's sizes (by default Qwen2.5-0.5B's width and vocabulary at half its depth)."""
+    parser.add_argument("--hidden_size", type=int, default=896)
+    parser.add_argument("--num_layers", type=int, default=12)
+    parser.add_argument("--num_heads", type=int, default=14)
+    parser.add_argument("--num_kv_heads", type=int, default=2)
+    parser.add_argument("--intermediate_size", type=int, default=4864)
+    parser.add_argument("--vocab_size", type=int, default=151936)
+
+
 def word_tokenizer(vocab_size: int):
     """A word-level tokenizer of ``vocab_size`` tokens ``t0 t1 ...`` (t0 unknown, t1 EOS, t2 padding): no download."""
     from tokenizers import Tokenizer, models, pre_tokenizers
