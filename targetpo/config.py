@@ -5,7 +5,7 @@ Field names follow the ones GRPO users already know, so that a GRPO script moves
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -438,8 +438,7 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Server mode: the key the server requires (`targetpo-vllm-serve --api-key`, or VLLM_API_KEY in "
             "its environment), sent as `Authorization: Bearer <key>` on every request. None: VLLM_API_KEY from the "
-            "training processes' environment, if set. Left out of the configs saved with checkpoints "
-            "(training_args.bin)."
+            "training processes' environment, if set. Left out of pickled configs (training_args.bin)."
         },
     )
     vllm_weight_transfer_backend: str = field(
@@ -736,18 +735,25 @@ class GRPOConfig(TrainingArguments):
                 values[name] = f"<{name.upper()}>"
         return values
 
-    @contextlib.contextmanager
-    def secrets_left_out(self) -> typing.Iterator[None]:
-        """The secret fields (the server's API key) read None inside the block: the Trainer pickles the whole config
-        into every checkpoint's ``training_args.bin``, which should not carry the key. The backend read it at start."""
-        kept = {name: getattr(self, name) for name in SECRET_FIELDS}
+    # The Trainer pickles the whole config into every checkpoint's and saved model's training_args.bin, as do
+    # trackers that upload models: a pickled config leaves the secret fields (the server's API key) out. Copies made
+    # in this process keep them. The rollout backend read the key when it was built.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
         for name in SECRET_FIELDS:
-            object.__setattr__(self, name, None)
-        try:
-            yield
-        finally:
-            for name, value in kept.items():
-                object.__setattr__(self, name, value)
+            state[name] = None
+        return state
+
+    def __copy__(self) -> TargetPOConfig:
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> TargetPOConfig:
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def __str__(self) -> str:
         # TrainingArguments' own rendering, which hides only *_token fields.

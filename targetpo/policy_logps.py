@@ -328,7 +328,7 @@ def _liger_can_compute_logps(model: nn.Module, sharded: bool, suppresses_tokens:
         warnings.warn(
             f"use_liger_kernel: the training log-probs do not use Liger's fused kernel because {problem}; they "
             "are computed by targetpo's chunked head instead.",
-            stacklevel=4,
+            stacklevel=5,
         )
     return problem is None
 
@@ -354,15 +354,18 @@ def auto_head_kernel(device: torch.device, liger: bool, triton_problem: str | No
         return "torch"
     if importlib.util.find_spec("triton") is None or torch.cuda.get_device_capability(device) < (8, 0):
         return "torch"
-    from .modeling.triton_head import launch_problem
-
-    problem = launch_problem(device)
+    try:
+        from .modeling.triton_head import launch_problem
+    except ImportError as error:  # a Triton that does not match this torch, say
+        problem = f"ImportError: {error}"
+    else:
+        problem = launch_problem(device)
     if problem is not None:
         warnings.warn(
             f"logps_head_kernel='auto': torch computes the output head because Triton's kernels failed to run on "
             f"this GPU ({problem}). Fix Triton's set-up to get its head, or set logps_head_kernel='torch' to "
             "silence this.",
-            stacklevel=4,
+            stacklevel=5,  # auto_head_kernel, for_model, the trainer's set-up, its __init__, the user's code
         )
         return "torch"
     return "triton"

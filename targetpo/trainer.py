@@ -606,15 +606,6 @@ class TargetPOTrainer(Trainer):
         super()._load_from_checkpoint(*args, **kwargs)
         self._scheduler.forget_weights()  # new weights that came without an optimiser step
 
-    # The Trainer pickles the config into training_args.bin where it saves a model or pushes a checkpoint.
-    def _save(self, *args: Any, **kwargs: Any) -> None:
-        with self.args.secrets_left_out():
-            super()._save(*args, **kwargs)
-
-    def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        with self.args.secrets_left_out():
-            super()._push_from_checkpoint(*args, **kwargs)
-
     # What a resumed run needs beyond the Trainer's own checkpoint (``callbacks.py``), saved and loaded beside the
     # optimiser (a checkpoint without the optimiser, save_only_model, cannot be resumed from anyway).
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -316,10 +316,13 @@ def test_processes_holding_different_keys_are_refused_on_every_process(monkeypat
 def test_checkpoints_and_saved_models_keep_the_servers_key_out_of_training_args(
     tmp_path, tiny_model, tokenizer, prompt_dataset
 ):
+    import copy
+    import pickle
     import warnings
 
     import torch
     from conftest import count_letters_reward, make_config
+    from transformers import Trainer
 
     from targetpo import TargetPOTrainer
 
@@ -331,9 +334,14 @@ def test_checkpoints_and_saved_models_keep_the_servers_key_out_of_training_args(
     )
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
-    saved = [tmp_path / "out" / "checkpoint-1" / "training_args.bin", tmp_path / "saved" / "training_args.bin"]
+    # A tracker that uploads the model (wandb's WANDB_LOG_MODEL) saves it through a plain Trainer and a copied config.
+    Trainer(model=trainer.model, args=copy.deepcopy(args)).save_model(str(tmp_path / "tracker"))
+    saved = [tmp_path / folder / "training_args.bin" for folder in ("out/checkpoint-1", "saved", "tracker")]
     for path in saved:
         assert KEY.encode() not in path.read_bytes(), path
         recorded = torch.load(path, weights_only=False)
         assert recorded.vllm_server_api_key is None and recorded.learning_rate == args.learning_rate, path
-    assert trainer.args.vllm_server_api_key == KEY  # left out of the files only
+    assert KEY.encode() not in pickle.dumps(args)
+    # Left out of what is pickled only: the config itself and its copies in this process keep it.
+    assert trainer.args.vllm_server_api_key == KEY
+    assert copy.copy(args).vllm_server_api_key == KEY and copy.deepcopy(args).vllm_server_api_key == KEY

@@ -149,14 +149,29 @@ def device_problem(device: torch.device) -> str | None:
 
 
 def launch_problem(device: torch.device) -> str | None:
-    """Why the kernels fail to compile or launch on ``device``, or None once one has run there. Triton compiles
-    each kernel, and its launcher, when first called: a missing C compiler or Python headers, or a GPU its compiler
-    does not support, show up only then."""
+    """Why the kernels fail to compile, launch or compute right on ``device``, or None once they have. Triton
+    compiles each kernel, and its launcher, when first called: a missing C compiler or Python headers, or a GPU its
+    compiler does not support, show up only then. Both kernels run once on bf16 logits as wide as a block, twice
+    over, and their log-probs are checked against torch's."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(2, 2 * MAX_BLOCK, device=device, generator=generator).to(torch.bfloat16)
+    token_ids = torch.tensor([0, 2 * MAX_BLOCK - 1], device=device)
+    ones = torch.ones(2, device=device)
     try:
-        logits_stats(torch.zeros(2, 8, device=device), torch.zeros(2, dtype=torch.long, device=device), 1.0)
-    except Exception as error:  # noqa: BLE001 -- whatever stops the kernels here; the caller uses torch instead
+        stats = logits_stats(logits, token_ids, 1.0)
+        for grad_entropy in (None, ones):
+            logits_grad_(logits.clone(), token_ids, stats.lse, stats.entropy, ones, grad_entropy, 1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except torch.AcceleratorError:
+        raise  # the kernel faulted on the device, whose context is now unusable: nothing can fall back
+    except Exception as error:  # noqa: BLE001 -- whatever else stops the kernels; the caller uses torch instead
         first_line = (str(error).strip().splitlines() or [""])[0]
         return f"{type(error).__name__}: {first_line}"
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    error = (stats.logps - expected).abs().max().item()
+    if not error < 1e-3:
+        return f"their log-probs were {error:.3g} off torch's on a test batch"
     return None
 
 

@@ -303,3 +303,23 @@ def test_on_a_gpu_the_default_head_is_the_triton_one(tmp_path):
     )  # fmt: skip
     expected = "triton" if torch.cuda.get_device_capability() >= (8, 0) else "torch"
     assert trainer._logps.head_kernel == expected
+
+
+def test_the_launch_probe_passes_working_kernels_and_names_failing_ones(monkeypatch):
+    assert triton_head.launch_problem(DEVICE) is None
+    real_stats = triton_head.logits_stats
+
+    def off_by_one(logits, token_ids, temperature):
+        stats = real_stats(logits, token_ids, temperature)
+        return stats._replace(logps=stats.logps + 1.0)
+
+    monkeypatch.setattr(triton_head, "logits_stats", off_by_one)
+    assert "log-probs were 1 off torch's" in triton_head.launch_problem(DEVICE)
+    monkeypatch.setattr(triton_head, "logits_stats", real_stats)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(triton_head, "logits_grad_", no_compiler)
+    expected = "RuntimeError: Failed to find C compiler. Please specify via CC environment variable."
+    assert triton_head.launch_problem(DEVICE) == expected
