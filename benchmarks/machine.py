@@ -13,6 +13,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+#: The model sizes the rollout and weight-sync benchmarks build: name -> (hidden size, layers, attention heads). Every
+#: head is 32 or 64 wide, which vLLM's CPU attention accepts.
+MODEL_SIZES = {
+    "demo": (64, 2, 2),
+    "small": (256, 4, 4),
+    "medium": (512, 8, 8),
+    "large": (768, 8, 12),
+}
+
 
 def cpu_busy(seconds: float) -> float:
     """The fraction of the machine's CPU time spent busy over the next ``seconds``, by anything running on it."""

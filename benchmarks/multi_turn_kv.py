@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' weight scripts
 
 import torch  # noqa: E402
-from machine import add_quiet_arguments, environment, report, run_when_quiet  # noqa: E402
+from machine import MODEL_SIZES, add_quiet_arguments, environment, report, run_when_quiet  # noqa: E402
 from scripted_policies import place_tokens  # noqa: E402
 
 from targetpo.demo import GUESS_DIGITS, build_tiny_causal_lm, guessing_tokenizer  # noqa: E402
@@ -36,12 +36,7 @@ from targetpo.generation import SamplingSettings, TransformersBackend  # noqa: E
 from targetpo.multi_turn import ToolLoop, left_pad  # noqa: E402
 from targetpo.tools import ConversationTemplate, Toolbox, environment_tools  # noqa: E402
 
-MODELS = {
-    # name: (hidden size, layers, attention heads)
-    "demo": (64, 2, 2),
-    "small": (256, 4, 4),
-    "medium": (512, 8, 8),
-}
+MODELS = {name: MODEL_SIZES[name] for name in ("demo", "small", "medium")}
 
 
 def parse_args() -> argparse.Namespace:

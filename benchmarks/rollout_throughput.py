@@ -23,18 +23,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
-from machine import environment, report  # noqa: E402
+from machine import MODEL_SIZES, environment, report  # noqa: E402
 
 from targetpo.demo import build_tiny_causal_lm, reverse_task_tokenizer  # noqa: E402
 from targetpo.generation import SamplingSettings, TransformersBackend  # noqa: E402
 from targetpo.generation.vllm_backend import VLLMColocateBackend  # noqa: E402
 
-MODELS = {
-    # name: (hidden size, layers, attention heads); head_dim 32 or 64, which vLLM's CPU attention accepts
-    "demo": (64, 2, 2),
-    "small": (256, 4, 4),
-    "medium": (512, 8, 8),
-}
+MODELS = {name: MODEL_SIZES[name] for name in ("demo", "small", "medium")}
 
 
 def parse_args() -> argparse.Namespace:

@@ -29,14 +29,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import REPOSITORY, add_quiet_arguments, cpu_busy, environment, old_checkout, report, run_when_quiet
+from machine import (
+    MODEL_SIZES,
+    REPOSITORY,
+    add_quiet_arguments,
+    cpu_busy,
+    environment,
+    old_checkout,
+    report,
+    run_when_quiet,
+)
 
 OLD_COMMIT = "5de566c"
-MODELS = {
-    # name: (hidden size, layers, attention heads); head_dim 64, which vLLM's CPU attention accepts
-    "medium": (512, 8, 8),
-    "large": (768, 8, 12),
-}
+MODELS = {name: MODEL_SIZES[name] for name in ("medium", "large")}
 #: Seconds a server on a small CPU may take to come up (load, warm-up, memory profiling).
 START_TIMEOUT = 300
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "logprobs": 0, "detokenize": False, "ignore_eos": True}
