@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import datasets
@@ -259,9 +259,12 @@ class RolloutRows(torch.utils.data.Dataset):
 
 def _read_rows(dataset: Any, indices: list[int]) -> list[dict[str, Any]]:
     """``dataset``'s rows at ``indices``: in one read where the dataset reads batches (``__getitems__``)."""
-    if hasattr(dataset, "__getitems__"):
-        return dataset.__getitems__(indices)
-    return [dataset[index] for index in indices]
+    if not hasattr(dataset, "__getitems__"):
+        return [dataset[index] for index in indices]
+    rows = dataset.__getitems__(indices)
+    if isinstance(rows, Mapping):  # a batch read as columns, {name: [values]}, as some datasets give it
+        return [dict(zip(rows, values)) for values in zip(*rows.values())]
+    return list(rows)
 
 
 def is_stream(dataset: Any) -> bool:

@@ -10,7 +10,14 @@ from conftest import count_letters_reward
 from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForSequenceClassification
 
-from targetpo.data import RepeatSampler, is_conversational, render_prompts, validate_prompt_dataset
+from targetpo.data import (
+    ROLLOUT_USE,
+    RepeatSampler,
+    RolloutRows,
+    is_conversational,
+    render_prompts,
+    validate_prompt_dataset,
+)
 from targetpo.demo import build_tiny_causal_lm
 from targetpo.modeling.loading import load_tokenizer
 from targetpo.rewards import RewardScorer, check_reward_output, unique_reward_names
@@ -137,6 +144,35 @@ def test_prompts_are_read_a_batch_at_a_time_through_a_transform(tokenizer):
     assert len(calls) <= 2  # row 0 (the column check), then one batch
     dataset = Dataset.from_dict({"prompt": ["ok", "ok"] * 5000})
     validate_prompt_dataset(dataset.with_format("numpy"), "train", tokenizer)
+
+
+def test_rows_are_read_from_datasets_that_read_batches_as_rows_or_as_columns():
+    """A dataset's ``__getitems__`` may give a list of rows (datasets.Dataset) or a batch of columns: both are read
+    as rows, each tagged with its micro-step; a dataset without it is read row by row."""
+
+    class Rows(torch.utils.data.Dataset):  # read one row at a time
+        def __init__(self, prompts):
+            self.prompts = prompts
+
+        def __len__(self):
+            return len(self.prompts)
+
+        def __getitem__(self, index):
+            return {"prompt": self.prompts[index]}
+
+    class Columns(Rows):
+        def __getitems__(self, indices):
+            return {"prompt": [self.prompts[index] for index in indices], "id": list(indices)}
+
+    prompts = ["a", "b", "c", "d"]
+    keys = [(2, 0), (0, 0), (3, 1)]
+    read = RolloutRows(Columns(prompts)).__getitems__(keys)
+    assert [(row["prompt"], row["id"], row[ROLLOUT_USE]) for row in read] == [("c", 2, 0), ("a", 0, 0), ("d", 3, 1)]
+    assert not hasattr(Rows(prompts), "__getitems__")
+    rows = RolloutRows(Rows(prompts)).__getitems__(keys)
+    assert [(row["prompt"], row[ROLLOUT_USE]) for row in rows] == [("c", 0), ("a", 0), ("d", 1)]
+    listed = RolloutRows(Dataset.from_dict({"prompt": prompts})).__getitems__(keys)
+    assert [row["prompt"] for row in listed] == ["c", "a", "d"]
 
 
 def test_render_prompts(tokenizer):
