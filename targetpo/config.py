@@ -761,7 +761,9 @@ class GRPOConfig(TrainingArguments):
             name: f"<{name.upper()}>" if name.endswith("_token") or name in SECRET_FIELDS else value
             for name, value in dataclasses.asdict(self).items()
         }
-        return f"{type(self).__name__}(\n" + "".join(f"{name}={value},\n" for name, value in sorted(shown.items())) + ")"
+        return (
+            f"{type(self).__name__}(\n" + "".join(f"{name}={value},\n" for name, value in sorted(shown.items())) + ")"
+        )
 
     def _check_output_dir(self) -> None:
         """Refuse an output_dir that cannot be a directory (an existing file, or below one) before any work."""

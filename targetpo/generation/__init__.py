@@ -56,7 +56,11 @@ def build_rollout_backend(
 
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         return VLLMServerBackend(
-            accelerator, settings, base_url, args.vllm_server_timeout, args.vllm_weight_transfer_backend,
+            accelerator,
+            settings,
+            base_url,
+            args.vllm_server_timeout,
+            args.vllm_weight_transfer_backend,
             api_key=resolve_api_key(args.vllm_server_api_key),
         )
 

@@ -254,8 +254,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.group = _open_group(
-            init_info.master_address, init_info.master_port, init_info.rank_offset + worker_rank,
-            init_info.world_size, init_info.timeout_s,
+            init_info.master_address,
+            init_info.master_port,
+            init_info.rank_offset + worker_rank,
+            init_info.world_size,
+            init_info.timeout_s,
         )
 
     def start_weight_update(self) -> None:
@@ -382,15 +385,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if source is None:
             raise ValueError("The gloo weight transfer pushes a whole model each time: pass a WeightSource.")
         engine = cls(
-            client=client, source=source, is_sender=init_info.is_sender, packed=init_info.packed,
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            packed=init_info.packed,
             packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
         )
         if not engine.is_sender:
             return engine
         worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
-            world_size=init_info.world_size, packed=init_info.packed,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, timeout_s=init_info.timeout_s,
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            packed=init_info.packed,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            timeout_s=init_info.timeout_s,
         )
         # Both sides block in the rendezvous until all ranks are in, so each runs on a thread of its own; whichever
         # fails first is raised (the server refusing the init would otherwise leave us waiting out the timeout).
@@ -398,9 +408,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
         def open_trainer_end() -> None:
             try:
-                opened.set_result(_open_group(
-                    init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
-                ))
+                opened.set_result(
+                    _open_group(
+                        init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
+                    )
+                )
             except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
                 opened.set_exception(error)
 
@@ -538,7 +550,9 @@ def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str,
     count = 0
     for name, tensor in source:
         if count >= len(meta):
-            raise ValueError(f"The WeightSource yielded more tensors than its metadata() lists ({len(meta)}): {name!r}.")
+            raise ValueError(
+                f"The WeightSource yielded more tensors than its metadata() lists ({len(meta)}): {name!r}."
+            )
         expected = meta[count]
         if name != expected.name or tensor.dtype != expected.dtype or tuple(tensor.shape) != tuple(expected.shape):
             raise ValueError(

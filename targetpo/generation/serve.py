@@ -142,9 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     if api_key is not None:
         check_api_key(api_key, "--api-key" if args.api_key is not None else KEY_VARIABLE)
     check_exposure(args.host, api_key, args.allow_unauthenticated_remote)
-    command, env = serve_command(
-        args.model, args.weight_transfer_backend, ["--host", args.host, *vllm_args], api_key
-    )
+    command, env = serve_command(args.model, args.weight_transfer_backend, ["--host", args.host, *vllm_args], api_key)
     shown = {name: "<hidden>" if name == KEY_VARIABLE else value for name, value in env.items()}
     print(" ".join(f"{name}={value}" for name, value in shown.items()), shlex.join(command), flush=True)
     os.execvpe(command[0], command, {**os.environ, **env})

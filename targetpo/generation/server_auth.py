@@ -111,13 +111,15 @@ async def _unauthorized(send: Any) -> None:
         b'{"error": "Unauthorized: this server requires its API key on every request, '
         b'as the header Authorization: Bearer <key>."}'
     )
-    await send({
-        "type": "http.response.start",
-        "status": 401,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

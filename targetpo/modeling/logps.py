@@ -149,9 +149,7 @@ def triton_head_problem(model: nn.Module) -> str | None:
     if head.weight.dtype not in HEAD_DTYPES:
         return f"the output head's weights are {head.weight.dtype}, which the kernels would round to float32"
     if not _is_plain_linear_head(head):
-        return (
-            "the output head has hooks or a replaced forward (offloading, sharding) or a weight held elsewhere"
-        )
+        return "the output head has hooks or a replaced forward (offloading, sharding) or a weight held elsewhere"
     return None
 
 

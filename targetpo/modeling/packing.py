@@ -74,6 +74,21 @@ def rows_packing_problem(prompt_mask: torch.Tensor, completion_attention_mask: t
     )
 
 
+def _unwrapped_text_config(model: nn.Module) -> tuple[nn.Module, nn.Module, object | None]:
+    """``model`` without its DDP wrapper, its base model without PEFT's, and the base's text (decoder) configuration,
+    or None where it is not a transformers model."""
+    model = getattr(model, "module", model)  # DDP
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = getattr(base, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    return model, base, text_config
+
+
+def _attention_implementation(text_config) -> str:
+    """The attention implementation transformers runs for ``text_config`` (eager where none is set)."""
+    return getattr(text_config, "_attn_implementation", None) or "eager"
+
+
 def model_packing_problem(model: nn.Module) -> str | None:
     """Why ``model``'s forward pass cannot take packed rows and give what it gives them padded, or None.
 
@@ -81,14 +96,12 @@ def model_packing_problem(model: nn.Module) -> str | None:
     runs it together, as it runs the passes that follow) checks that a sequence gives the same logits after another
     in a packed row as alone.
     """
-    model = getattr(model, "module", model)  # DDP
-    base = model.get_base_model() if is_peft_model(model) else model
+    model, base, config = _unwrapped_text_config(model)
     if not forward_accepts_position_ids(base):
         return "its forward pass takes no position ids, which tell the sequences of a packed row apart"
-    if not hasattr(getattr(base, "config", None), "get_text_config"):
+    if config is None:
         return "it is not a transformers model, whose forward pass reads packed sequences from the position ids"
-    config = base.config.get_text_config(decoder=True)
-    attention = getattr(config, "_attn_implementation", None) or "eager"
+    attention = _attention_implementation(config)
     if attention not in PACKING_ATTENTIONS and "flash" not in attention:
         return (
             f"its attention implementation {attention!r} is not one transformers packs sequences for (eager, sdpa, "
@@ -145,12 +158,10 @@ def gpu_packing_cost(model: nn.Module, device: torch.device) -> str | None:
     more where lengths spread evenly, so no note is given there."""
     if device.type != "cuda":
         return None
-    model = getattr(model, "module", model)
-    base = model.get_base_model() if is_peft_model(model) else model
-    config = getattr(base, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
+    _, _, config = _unwrapped_text_config(model)
+    if config is None:
         return None
-    attention = getattr(config.get_text_config(decoder=True), "_attn_implementation", None) or "eager"
+    attention = _attention_implementation(config)
     if attention not in MASKED_PACKING_ATTENTIONS:
         return None
     return (
