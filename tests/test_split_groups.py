@@ -10,8 +10,11 @@ train the same rollouts whatever the machine samples.
 import pytest
 import torch
 import torch.multiprocessing as mp
-from split_group_workers import NUM_GENERATIONS, train, two_process_worker
+from split_group_workers import NUM_GENERATIONS, FixedCompletions, train, two_process_worker
 from test_distributed import free_port
+
+from targetpo.demo import build_char_tokenizer
+from targetpo.rollout import scheduler as scheduler_module
 
 WHOLE = dict(per_device_train_batch_size=NUM_GENERATIONS)
 # One group of 8 in micro-batches of 2: the 4 micro-steps of one optimiser step.
@@ -98,3 +101,32 @@ def test_groups_spread_over_micro_steps_on_two_processes_train_as_one_process_wi
         for rank in range(2):
             recorded = torch.load(tmp_path / f"{name}_rank{rank}.pt")
             assert_same_weights_after_every_step(recorded, reference.recorded)
+
+
+def test_a_group_spread_over_micro_steps_trains_exactly_with_rollouts_generated_ahead(tmp_path, monkeypatch):
+    """async_rollouts: each rollout is generated while the one before it trains. Its old log-probs, and so p_old, are
+    still computed when it is first trained, at the weights that train it, so a group spread over micro-steps trains
+    as the whole group does without generating ahead. No vLLM server here (test_vllm.py runs one): the fixed
+    completions stand in for it, without engine log-probs, so no importance weights enter either run."""
+    # The server backend async_rollouts builds at set-up; train() then generates with the fixed completions.
+    monkeypatch.setattr(scheduler_module, "build_rollout_backend", lambda *args, **kwargs: FixedCompletions(build_char_tokenizer(), 0))
+    generated_ahead = []
+
+    def count_rollouts_taken_ahead(trainer):
+        scheduler = trainer._scheduler
+        take_upcoming = scheduler.take_upcoming
+
+        def taking(*args, **kwargs):
+            pending = take_upcoming(*args, **kwargs)
+            generated_ahead.append(pending is not None)
+            return pending
+
+        scheduler.take_upcoming = taking
+
+    settings = dict(max_steps=6, num_iterations=2)
+    whole = train(str(tmp_path / "whole"), **WHOLE, **settings)
+    spread = train(str(tmp_path / "spread"), on_trainer=count_rollouts_taken_ahead, **SPREAD, **settings,
+                   use_vllm=True, vllm_mode="server", async_rollouts=True)
+    assert generated_ahead == [False, True, True]  # the first rollout has nothing before it to be generated during
+    assert_same_weights_after_every_step(spread.recorded, whole.recorded)
+    assert_steps_move_the_weights(whole.recorded[1:], whole.recorded[0])
