@@ -1,8 +1,10 @@
 """Table 3 of the TPO paper (Kaddour 2026, arXiv 2604.06159), terminal reward, prompt-matched, on the Hugging Face
 stack: exact-match error (%) of TPO and GRPO reversing H bits, and the paper's group-size (K) sweep at H = 8.
 
-The paper's settings, from its JAX reference (JeanKaddour/tpo, ``src/tpo``; ``paper_task.py`` holds the task, model
-and optimiser):
+The paper's settings, from its JAX reference (JeanKaddour/tpo, ``src/tpo``: the task and optimiser in
+``experiments/_trial.py``, the model in ``models.py``, the settings in ``config.py``; where the paper's text and its code
+differ, as on the number of heads, the code is followed). This repository's ``paper_task.py`` holds the task, model and
+optimiser as ported:
 
 - Task: reverse H uniform random bits (V = 2, no separator), reward 1 only for the exact reversal; fresh prompts every
   step. Table 3: H = 7, 8, 9, 10.
@@ -33,10 +35,16 @@ What differs from the paper:
   ratio and one KL estimate per completion, from the summed log-probs: a different objective, not a different
   normalisation. Its trust region is tighter: the paper clips a completion's probability ratio at 1 +- 0.2, while a
   per-token clip lets it reach 1.2^H before every token is clipped. TPO has no ratio: its loss is the paper's.
+- The paper's GRPO loss sums over a group's K completions and averages over prompts, and clamps the log-ratio to
+  +-20; both libraries average over all B x K completions (a loss K times smaller, which Muon's normalised update
+  and Adam all but ignore) and do not clamp (which matters only at extreme ratios).
 - TRL z-scores with the sample std (over K - 1) + 1e-4 (the paper: population std + 1e-8): advantages about 6%
   smaller at K = 8.
 - The model (``paper_task.py``): Hugging Face's GPT-2 architecture in the reference's shape, without the output
-  head's bias; float32 torch on CPU instead of JAX.
+  head's bias; strict float32 torch (on a CPU, or a GPU) instead of JAX on a GPU, whose float32 products may have run
+  in TF32 (the reference sets no precision).
+- Seeds: the paper averages 20 (Table 3) or 30 (the K sweep); the examples below run 5, so each mean carries the
+  standard error (sample standard deviation / sqrt(seeds)) the report gives.
 - The paper draws B fresh prompts at every step; here a dataset of steps x B independent uniform prompts is read in
   a shuffled order, which is the same distribution.
 - Besides the paper's estimator (``final_error``: the last rollout's sampled error), each run records
