@@ -65,6 +65,20 @@ def test_a_group_spread_over_four_micro_steps_trains_as_the_whole_group(tmp_path
     assert logged_losses(spread) == pytest.approx(logged_losses(whole), rel=1e-5)
 
 
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_a_rollout_over_two_optimiser_steps_trains_each_spread_group_as_whole(tmp_path, num_iterations):
+    """Two groups per rollout, one per optimiser step: each group's 8 rows in two micro-steps of 4, so p is refreshed
+    at every optimiser step after the rollout's first, whose weights have moved (num_iterations = 1 too)."""
+    settings = dict(max_steps=4 * num_iterations, num_iterations=num_iterations)
+    whole = train(str(tmp_path / "whole"), per_device_train_batch_size=NUM_GENERATIONS, steps_per_generation=2,
+                  gradient_accumulation_steps=1, **settings)
+    spread = train(str(tmp_path / "spread"), per_device_train_batch_size=4, steps_per_generation=4,
+                   gradient_accumulation_steps=2, **settings)
+    assert spread.args.generation_batch_size == whole.args.generation_batch_size == 2 * NUM_GENERATIONS
+    assert_same_weights_after_every_step(spread.recorded, whole.recorded)
+    assert_steps_move_the_weights(whole.recorded[1:], whole.recorded[0])
+
+
 def logged_losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 

@@ -27,6 +27,8 @@ from .loading import matmul_dtype
 MAX_BLOCK = 4096
 #: Devices whose tensors Triton's compiled kernels take (ROCm GPUs are "cuda" devices in torch).
 TRITON_DEVICES = ("cuda", "xpu")
+#: A fault on the device, after which its context is unusable (torch >= 2.8 tells it apart; before, nothing does).
+DEVICE_FAULTS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
 
 
 class LogitsStats(NamedTuple):
@@ -163,7 +165,7 @@ def launch_problem(device: torch.device) -> str | None:
             logits_grad_(logits.clone(), token_ids, stats.lse, stats.entropy, ones, grad_entropy, 1.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    except torch.AcceleratorError:
+    except DEVICE_FAULTS:
         raise  # the kernel faulted on the device, whose context is now unusable: nothing can fall back
     except Exception as error:  # noqa: BLE001 -- whatever else stops the kernels; the caller uses torch instead
         first_line = (str(error).strip().splitlines() or [""])[0]

@@ -323,3 +323,9 @@ def test_the_launch_probe_passes_working_kernels_and_names_failing_ones(monkeypa
     monkeypatch.setattr(triton_head, "logits_grad_", no_compiler)
     expected = "RuntimeError: Failed to find C compiler. Please specify via CC environment variable."
     assert triton_head.launch_problem(DEVICE) == expected
+    # torch before 2.8 has no AcceleratorError (and the module then knows no device fault): the failure is still
+    # named, not an AttributeError.
+    assert triton_head.DEVICE_FAULTS == ((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ())
+    monkeypatch.delattr(torch, "AcceleratorError", raising=False)
+    monkeypatch.setattr(triton_head, "DEVICE_FAULTS", ())
+    assert triton_head.launch_problem(DEVICE) == expected
