@@ -107,6 +107,9 @@ CASES = {
     "tpo-groups-over-passes": dict(per_device_train_batch_size=8, max_steps=4, num_iterations=2, budget=40),
     "tpo-groups-over-passes-packed": dict(per_device_train_batch_size=8, max_steps=4, num_iterations=2, budget=40,
                                           padding_free=True),
+    # Rollouts of 3 micro-steps, optimiser steps of 2: the second optimiser step ends one rollout and starts the next.
+    "tpo-groups-over-passes-steps-across-rollouts": dict(per_device_train_batch_size=8, steps_per_generation=3,
+                                                         gradient_accumulation_steps=2, max_steps=3, budget=40),
 }
 
 
