@@ -66,7 +66,8 @@ class BatchLayout:
         return sorted({(row % share) // self.rows_per_step for row in rows})
 
     def uses_in_optimiser_step(self, use: int) -> range:
-        """The uses of the rollout that share an optimiser step with ``use``."""
+        """The uses of the rollout that share an optimiser step with ``use``, where optimiser steps start with the
+        rollout (as :meth:`split_group_problem` makes them wherever groups span step batches)."""
         if self.rollout_within_one_optimiser_step:
             return range(self.uses)
         first = use - use % self.accumulation_steps

@@ -55,7 +55,10 @@ class SplitGroups:
             return
         if layout.rollout_within_one_optimiser_step:  # p_old serves every use: reaching here is a bug
             raise RuntimeError("A rollout trained within one optimiser step has no group softmax from its rollout.")
-        indices = dict.fromkeys(use % layout.steps_per_generation for use in layout.uses_in_optimiser_step(use))
+        if layout.splits_groups:  # a group's rows lie in several step batches of this optimiser step
+            indices = dict.fromkeys(use % layout.steps_per_generation for use in layout.uses_in_optimiser_step(use))
+        else:  # whole groups per step batch (only passes cut them): its own rows give their softmax
+            indices = [use % layout.steps_per_generation]
         batches = [step_batches[index] for index in indices]
         with self.failures_reach_every_process("computing the group softmax at the current weights"):
             sequence_logps, valid = zip(*(self._sequence_logps(model, batch) for batch in batches))

@@ -73,7 +73,12 @@ class WeightsAfterEachStep(TrainerCallback):
 
 
 def train(
-    out_dir: str, reward: str = "letter_score", process_index: int = 0, on_trainer=None, **settings
+    out_dir: str,
+    reward: str = "letter_score",
+    process_index: int = 0,
+    on_trainer=None,
+    prompts: list[str] = PROMPTS,
+    **settings,
 ) -> TargetPOTrainer:
     """A plain-SGD run on the fixed completions; the weights after each optimiser step are in ``trainer.recorded``.
     ``on_trainer(trainer)`` runs before training."""
@@ -86,7 +91,7 @@ def train(
     )
     recorder = WeightsAfterEachStep()
     trainer = TargetPOTrainer(
-        model, REWARDS[reward], args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        model, REWARDS[reward], args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer, callbacks=[recorder],
     )
     trainer.rollout_backend = FixedCompletions(tokenizer, process_index)

@@ -20,6 +20,7 @@ from test_split_groups import assert_same_weights_after_every_step, assert_steps
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
 from targetpo.generation import Completions
+from targetpo.split_groups import SplitGroups
 from targetpo.token_budget import check_budget_fits, pass_tokens, plan_passes
 
 # Prompts of at most 12 tokens and completions of at most 5 (split_group_workers): one sequence is at most 17 tokens.
@@ -107,9 +108,6 @@ CASES = {
     "tpo-groups-over-passes": dict(per_device_train_batch_size=8, max_steps=4, num_iterations=2, budget=40),
     "tpo-groups-over-passes-packed": dict(per_device_train_batch_size=8, max_steps=4, num_iterations=2, budget=40,
                                           padding_free=True),
-    # Rollouts of 3 micro-steps, optimiser steps of 2: the second optimiser step ends one rollout and starts the next.
-    "tpo-groups-over-passes-steps-across-rollouts": dict(per_device_train_batch_size=8, steps_per_generation=3,
-                                                         gradient_accumulation_steps=2, max_steps=3, budget=40),
 }
 
 
@@ -124,6 +122,33 @@ def test_a_micro_step_in_passes_trains_as_one_pass(tmp_path, case):
         **settings,
     )
     assert_same_training(budgeted, reference, metrics)
+
+
+def test_optimiser_steps_across_rollouts_train_groups_over_passes_exactly(tmp_path, monkeypatch):
+    """Rollouts of 3 micro-steps, optimiser steps of 2, two rollouts an epoch: the second optimiser step ends one
+    rollout and starts the next. Groups outgrow the passes, so their softmax is known ahead: p_old at each rollout, a
+    pass at the moved weights for a later micro-step, over its own step batch only (each holds whole groups)."""
+    rollout_steps, passes_for_p = [], []
+    at_rollout, sequence_logps = SplitGroups.at_rollout, SplitGroups._sequence_logps
+
+    def recording_rollout(self, batch, valid_all, step):
+        rollout_steps.append(step)
+        return at_rollout(self, batch, valid_all, step)
+
+    def counting_passes(self, model, batch):
+        passes_for_p.append(batch)
+        return sequence_logps(self, model, batch)
+
+    monkeypatch.setattr(SplitGroups, "at_rollout", recording_rollout)
+    monkeypatch.setattr(SplitGroups, "_sequence_logps", counting_passes)
+    settings = dict(per_device_train_batch_size=8, steps_per_generation=3, gradient_accumulation_steps=2, max_steps=3,
+                    prompts=PROMPTS + ["Say hat:", "Say cup:"], **PROMPT_LIMIT)
+    reference = train(str(tmp_path / "one_pass"), on_trainer=count_forward_passes_with_gradient, **settings)
+    budgeted = train(str(tmp_path / "passes"), on_trainer=count_forward_passes_with_gradient,
+                     max_tokens_per_micro_batch=40, **settings)
+    assert rollout_steps == [0, 1]  # the second rollout begins inside the second optimiser step
+    assert_same_training(budgeted, reference)
+    assert len(passes_for_p) == 3  # the last micro-step of rollout 1, the last two of rollout 2: weights had moved
 
 
 @pytest.mark.parametrize("budget", [140, 40], ids=["whole-groups", "groups-over-passes"])
