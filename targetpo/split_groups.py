@@ -3,7 +3,8 @@
 Within an optimiser step the weights are fixed, so the gradient of the step's loss with respect to member ``i``'s
 sequence log-prob is ``(p_i - q_i) / G``, with ``p`` the group's softmax at those weights. ``p`` is known before the
 step's first micro-step: while the weights are still the rollout's it is ``p_old``, from the rollout's old log-probs;
-after they have moved, one pass without gradient over the step batches the optimiser step trains gives it. Each
+after they have moved, one pass without gradient over the step batches the optimiser step trains gives it (over the
+trained step batch alone where each holds whole groups, as when only token-budget passes cut them). Each
 micro-step then back-propagates its own rows' part (``F.tpo_loss_of_members``), so a micro-batch never needs a whole
 group, and the parts add up to the whole groups' gradient.
 """
@@ -48,8 +49,9 @@ class SplitGroups:
         batch.group_log_probs_step = step
 
     def refresh(self, model: nn.Module, step_batches: list[RolloutBatch], use: int, step: int) -> None:
-        """Before use ``use`` of the rollout: ``p`` at the current weights for every step batch this optimiser step
-        trains, from one pass without gradient over them (collective: every process computes its rows')."""
+        """Before use ``use`` of the rollout: ``p`` at the current weights for the step batches whose rows make up the
+        groups it trains (every one this optimiser step trains, or its own where each holds whole groups), from one
+        pass without gradient over them (collective: every process computes its rows')."""
         layout = self.layout
         if step_batches[use % layout.steps_per_generation].group_log_probs_step == step:
             return
@@ -57,7 +59,7 @@ class SplitGroups:
             raise RuntimeError("A rollout trained within one optimiser step has no group softmax from its rollout.")
         if layout.splits_groups:  # a group's rows lie in several step batches of this optimiser step
             indices = dict.fromkeys(use % layout.steps_per_generation for use in layout.uses_in_optimiser_step(use))
-        else:  # whole groups per step batch (only passes cut them): its own rows give their softmax
+        else:  # whole groups per step batch over the processes (only passes cut them): its rows give their softmax
             indices = [use % layout.steps_per_generation]
         batches = [step_batches[index] for index in indices]
         with self.failures_reach_every_process("computing the group softmax at the current weights"):

@@ -346,16 +346,21 @@ def test_passes_on_two_processes_train_as_one_pass(tmp_path):
     collective): in the first step process 0's rows fit in 2 packed passes of 24 tokens and process 1's need 3. GRPO with the KL: as the same two processes in one pass each (each process's KL is a mean over its
     own tokens). TPO: its groups span processes and passes, trained from their softmax known ahead, as one process
     with the whole group in one pass. BNPO over two epochs: each process's first use fills its old log-probs pass by
-    pass (its empty passes fill nothing)."""
+    pass (its empty passes fill nothing). TPO with two step batches of whole groups per process, cut by the passes:
+    as the same two processes in one pass each."""
     two_processes = dict(per_device_train_batch_size=4, **PROMPT_LIMIT)
     grpo, tpo = dict(loss_type="grpo", beta=0.04, max_steps=2), dict(max_steps=4, num_iterations=2)
     bnpo = dict(loss_type="bnpo", max_steps=4, num_iterations=2)
+    tpo_batches = dict(per_device_train_batch_size=8, steps_per_generation=2, **tpo, **PROMPT_LIMIT)
     cases = [
         ("grpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **grpo, **two_processes)),
         ("grpo_one_pass", "letter_score", dict(**grpo, **two_processes)),
         ("tpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **tpo, **two_processes)),
         ("bnpo_passes", "letter_score", dict(max_tokens_per_micro_batch=24, padding_free=True, **bnpo, **two_processes)),
         ("bnpo_one_pass", "letter_score", dict(**bnpo, **two_processes)),
+        # Two step batches of whole groups per process, the passes cutting them: p from each micro-step's own batch.
+        ("tpo_batches_passes", "letter_score", dict(max_tokens_per_micro_batch=40, **tpo_batches)),
+        ("tpo_batches_one_pass", "letter_score", tpo_batches),
     ]
     mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=True)
     tpo_reference = train(str(tmp_path / "tpo"), per_device_train_batch_size=NUM_GENERATIONS, **tpo, **PROMPT_LIMIT)
@@ -364,3 +369,4 @@ def test_passes_on_two_processes_train_as_one_pass(tmp_path):
         assert_same_weights_after_every_step(weights["grpo_passes"], weights["grpo_one_pass"])
         assert_same_weights_after_every_step(weights["tpo_passes"], tpo_reference.recorded)
         assert_same_weights_after_every_step(weights["bnpo_passes"], weights["bnpo_one_pass"])
+        assert_same_weights_after_every_step(weights["tpo_batches_passes"], weights["tpo_batches_one_pass"])

@@ -9,7 +9,7 @@ model packs exactly is checked once on the model itself (:func:`model_packing_pr
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -74,14 +74,16 @@ def rows_packing_problem(prompt_mask: torch.Tensor, completion_attention_mask: t
     )
 
 
-def _unwrapped_text_config(model: nn.Module) -> tuple[nn.Module, nn.Module, object | None]:
-    """``model`` without its DDP wrapper, its base model without PEFT's, and the base's text (decoder) configuration,
-    or None where it is not a transformers model."""
+def _unwrapped(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``model`` without its DDP wrapper, and its base model without PEFT's."""
     model = getattr(model, "module", model)  # DDP
-    base = model.get_base_model() if is_peft_model(model) else model
+    return model, model.get_base_model() if is_peft_model(model) else model
+
+
+def _text_config(base: nn.Module) -> Any | None:
+    """The text (decoder) configuration of a transformers model, or None for another model."""
     config = getattr(base, "config", None)
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
-    return model, base, text_config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
 
 
 def _attention_implementation(text_config) -> str:
@@ -96,9 +98,10 @@ def model_packing_problem(model: nn.Module) -> str | None:
     runs it together, as it runs the passes that follow) checks that a sequence gives the same logits after another
     in a packed row as alone.
     """
-    model, base, config = _unwrapped_text_config(model)
+    model, base = _unwrapped(model)
     if not forward_accepts_position_ids(base):
         return "its forward pass takes no position ids, which tell the sequences of a packed row apart"
+    config = _text_config(base)
     if config is None:
         return "it is not a transformers model, whose forward pass reads packed sequences from the position ids"
     attention = _attention_implementation(config)
@@ -158,7 +161,7 @@ def gpu_packing_cost(model: nn.Module, device: torch.device) -> str | None:
     more where lengths spread evenly, so no note is given there."""
     if device.type != "cuda":
         return None
-    _, _, config = _unwrapped_text_config(model)
+    config = _text_config(_unwrapped(model)[1])
     if config is None:
         return None
     attention = _attention_implementation(config)
