@@ -123,7 +123,8 @@ def test_a_group_spread_over_micro_steps_trains_exactly_with_rollouts_generated_
     as the whole group does without generating ahead. No vLLM server here (test_vllm.py runs one): the fixed
     completions stand in for it, without engine log-probs, so no importance weights enter either run."""
     # The server backend async_rollouts builds at set-up; train() then generates with the fixed completions.
-    monkeypatch.setattr(scheduler_module, "build_rollout_backend", lambda *args, **kwargs: FixedCompletions(build_char_tokenizer(), 0))
+    stand_in = FixedCompletions(build_char_tokenizer(), process_index=0)
+    monkeypatch.setattr(scheduler_module, "build_rollout_backend", lambda *args, **kwargs: stand_in)
     generated_ahead = []
 
     def count_rollouts_taken_ahead(trainer):

@@ -28,7 +28,7 @@ MAX_BLOCK = 4096
 #: Devices whose tensors Triton's compiled kernels take (ROCm GPUs are "cuda" devices in torch).
 TRITON_DEVICES = ("cuda", "xpu")
 #: A fault on the device, after which its context is unusable (torch >= 2.8 tells it apart; before, nothing does).
-DEVICE_FAULTS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
+DEVICE_FAULTS = (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
 
 
 class LogitsStats(NamedTuple):
