@@ -291,7 +291,7 @@ def test_a_training_step_with_padding_free_gives_the_padded_steps_weights(
             warnings.simplefilter("always")
             trainer.train()
         assert not [w for w in caught if "padding_free" in str(w.message)]
-        weights[padding_free] = {name: value.detach().clone() for name, value in trainer.model.named_parameters()}
+        weights[padding_free] = {name: value.detach().cpu() for name, value in trainer.model.named_parameters()}  # a GPU's too
     # Old log-probs (2 passes of 8 rows), reference log-probs (2, with beta), and the policy's (2 steps), of spread
     # lengths; with beta = 0 the first step leaves out rows.
     assert len(packed_passes) == (6 if beta else 4)

@@ -11,6 +11,7 @@ from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGener
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm, exact_reversal_reward, reverse_task_dataset, reverse_task_tokenizer
 from targetpo.modeling.loading import max_positions
+from targetpo.rollout.prompts import first_of_each_repeat
 
 PROMPTS = ["Please say the word cat:", "Hi:", "Now write one more word, dog:", "Say sun:"]
 
@@ -91,6 +92,31 @@ def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer,
     with pytest.warns(UserWarning, match=r"^1 of the 1 prompts .* longer than 8 tokens \(max_prompt_length=8\)"):
         ids, _ = trainer._prompt_encoder.tokenize(PROMPTS[:1])
     assert tokenizer.decode(ids[0]) == PROMPTS[0][-8:]
+
+
+def test_a_groups_repeats_of_its_prompt_are_tokenized_once(tmp_path, tokenizer, tiny_model):
+    """Each run of equal prompts is rendered and tokenized once and its rows repeated: the same ids and mask as
+    tokenizing every row; a prompt that comes back after another (or with other tools) is a run of its own."""
+    trainer = TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path, max_prompt_length=10),
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
+    encoder = trainer._prompt_encoder
+    prompts = [PROMPTS[1]] * 3 + [PROMPTS[2]] * 2 + [PROMPTS[1]]
+    seen = []
+
+    def counting_tokenizer(text, **kwargs):
+        seen.append(list(text))
+        return tokenizer(text=text, **kwargs)
+
+    encoder.tokenizer = counting_tokenizer
+    with pytest.warns(UserWarning, match="^1 of the 2 prompts"):  # the long one, counted once
+        ids, mask = encoder.tokenize(prompts)
+    assert seen == [[PROMPTS[1], PROMPTS[2], PROMPTS[1]]]
+    every_row = tokenizer(text=prompts, return_tensors="pt", padding=True, padding_side="left")
+    assert ids.tolist() == every_row["input_ids"][:, -10:].tolist()
+    assert mask.tolist() == every_row["attention_mask"][:, -10:].tolist()
+    assert first_of_each_repeat(["a", "a", "a"], [["x"], ["x"], ["y"]]) == ([0, 2], [0, 0, 1])
+    conversation = [{"role": "user", "content": "hi"}]
+    assert first_of_each_repeat([conversation, list(conversation), "hi"]) == ([0, 2], [0, 0, 1])
 
 
 def test_a_completion_as_long_as_the_context_is_refused(tmp_path, tokenizer, short_context_model):

@@ -177,9 +177,8 @@ class RolloutScheduler:
         use = self.use = rows[0][ROLLOUT_USE]
         upcoming = [row.get(UPCOMING_ROW) for row in rows]
         self.rollout_indices = [row.get(ROW_INDEX) for row in rows]
-        rows = [_untagged(row) for row in rows]
         if self.buffer is None or use == 0:
-            rollout = trainer._rollout(rows, mode="train")
+            rollout = trainer._rollout([_untagged(row) for row in rows], mode="train")
             self.buffer = rollout.step_batches(args.per_device_train_batch_size)
         if use == trainer._lookahead_use and upcoming[0] is not None:
             self.start_upcoming([row[ROW_INDEX] for row in upcoming], [_untagged(row) for row in upcoming])
