@@ -175,7 +175,7 @@ class ToolLoop:
                     sample.oldest_version = (
                         version if sample.oldest_version is None else min(sample.oldest_version, version)
                     )
-                malformed = self._add_turn(sample, turn, logps)
+                malformed = self._add_turn(sample, turn, logps, toolboxes[index].schemas)
                 if sample.done:
                     continue
                 if malformed is not None:
@@ -185,13 +185,16 @@ class ToolLoop:
             self._answer_calls(samples, requests)
         return has_logps, has_versions
 
-    def _add_turn(self, sample: _Sample, turn: list[int], logps: list[float]) -> str | None:
+    def _add_turn(
+        self, sample: _Sample, turn: list[int], logps: list[float], schemas: list[dict[str, Any]]
+    ) -> str | None:
         """Append the model's turn and mark the sample done unless it calls tools it may still call. Returns the
-        error of a call that could not be read, which is answered like a failed call."""
+        error of a call that could not be read, which is answered like a failed call. ``schemas``: the sample's tools,
+        which its calls are read against."""
         ended = bool(turn) and turn[-1] in self.eos_token_ids
         prefix = self.tokenizer.decode(sample.context, skip_special_tokens=False)
         text = self.tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False)
-        message, malformed = self.template.parse(text, prefix)
+        message, malformed = self.template.parse(text, prefix, schemas)
         sample.ids += turn
         sample.images.add_tokens(turn)
         sample.loss_mask += [1] * len(turn)
@@ -514,7 +517,7 @@ class EnvironmentPool:
             probe = _probe_environment(name, make)
             self.factories[name] = make
             toolbox = self._add(NOW, name, probe)
-            for schema in toolbox.schemas:  # every tool any environment shows, for reading the model's calls
+            for schema in toolbox.schemas:  # every tool any environment shows, for checking the template
                 schemas.setdefault(schema["function"]["name"], schema)
             kind = type(probe)
             if callable(getattr(probe, "get_reward", None)) and kind not in kinds_with_reward:

@@ -428,13 +428,17 @@ class ConversationTemplate:
             **self.template_kwargs,
         )
 
-    def parse(self, text: str, prefix: str) -> tuple[dict[str, Any], str | None]:
+    def parse(
+        self, text: str, prefix: str, schemas: list[dict[str, Any]] | None = None
+    ) -> tuple[dict[str, Any], str | None]:
         """The assistant message in ``text`` (the model's turn, without its EOS) and, if the text opens a tool call
-        that cannot be read, what is wrong with it."""
-        if not self.schemas:  # no tools: every turn is an answer
+        that cannot be read, what is wrong with it. ``schemas``: the tools this sample's prompt shows (its
+        environment's), else every tool; a call's arguments are cast to its tool's parameter types."""
+        schemas = self.schemas if schemas is None else schemas
+        if not schemas:  # no tools: every turn is an answer
             return {"role": "assistant", "content": text}, None
         try:
-            parsed = self.tokenizer.parse_response(text, self.response_template, prefix=prefix, tools=self.schemas)
+            parsed = self.tokenizer.parse_response(text, self.response_template, prefix=prefix, tools=schemas)
         except (ValueError, TypeError, KeyError) as error:
             return {"role": "assistant", "content": text}, f"Error: the tool call could not be read: {error}"
         message = {"role": "assistant", "content": parsed.get("content") or ""}

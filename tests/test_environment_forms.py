@@ -101,6 +101,62 @@ def test_a_dict_of_environments_gives_each_row_its_own_environment_tools_and_rew
     assert logs["rewards/Counter/mean"] == 1.0
 
 
+class NumberStore:
+    """Stores what its one tool is given; the tool's name is the same in every subclass, its parameter's type not."""
+
+    def reset(self, **row):
+        self.stored = []
+        return " Store 7."
+
+    def get_reward(self) -> float:
+        return float(bool(self.stored))
+
+
+class IntegerStore(NumberStore):
+    def store(self, value: int) -> str:
+        """Store a value.
+
+        Args:
+            value: The value, a whole number.
+        """
+        self.stored.append(value)
+        return "stored"
+
+
+class TextStore(NumberStore):
+    def store(self, value: str) -> str:
+        """Store a value.
+
+        Args:
+            value: The value, as text.
+        """
+        self.stored.append(value)
+        return "stored"
+
+
+def test_each_rows_calls_are_read_against_its_own_environments_tools(tmp_path):
+    """Two environments with a tool of the same name, one taking an integer, one text: the same call text reaches
+    each with its own tool's type (arguments are cast to the calling tool's schema, not to the first one named so)."""
+
+    def store_once(context):
+        return "done" if "<tool_response>" in context else think("store it") + qwen3_call("store", value="7")
+
+    rows = two_environment_rows(("integers", "texts") * 4)
+    trainer = qwen3_trainer(tmp_path, {"integers": IntegerStore, "texts": TextStore}, rows, policy=store_once)
+    seen, original = [], trainer._environments.start
+
+    def start(*args, **kwargs):
+        environments, prompts, toolboxes = original(*args, **kwargs)
+        seen.extend(environments)
+        return environments, prompts, toolboxes
+
+    trainer._environments.start = start
+    trainer.train()
+    assert [type(environment) for environment in seen] == [IntegerStore, IntegerStore, TextStore, TextStore] * 2
+    assert [environment.stored for environment in seen] == [[7], [7], ["7"], ["7"]] * 2
+    assert trainer.state.log_history[0]["rewards/TextStore/mean"] == 1.0
+
+
 def test_an_environment_named_nowhere_or_an_unnamed_row_is_refused_before_any_work(tmp_path):
     environments = {"game": GuessingGame, "counter": Counter}
     with pytest.raises(ValueError, match=re.escape(
