@@ -53,11 +53,14 @@ What differs from the paper:
   over the last tenth of the steps, steadier than one step where training oscillates (GRPO's does).
 
 Every finished run is appended to ``--output`` (a JSON file, under a lock, so runs of separate invocations merge);
-a run already in the file is not run again. ``--report_only`` writes the tables beside the paper's numbers and two
-plots (error against H, against K) next to the file. ``--steps`` is the number of rollouts (2,000 in the paper);
-each trains ``--num_iterations`` optimiser steps. ``--jobs N`` runs N at a time, each in a process of its own (one
-thread each: one per core); ``--device cuda`` trains on one GPU, in float32 as on the CPU, where several runs can
-share the GPU (``--jobs``).
+a run already in the file is not run again. With ``--checkpoints DIR`` each run saves its state there every
+``--checkpoint_every`` rollouts (weights, optimiser, random state, curves), so a run stopped before its end (a killed
+process, an ended session, or ``--time_limit``, which stops each run at a rollout's end once the invocation has run
+that long) resumes from its last checkpoint when asked again, to the record it would have had uninterrupted.
+``--report_only`` writes the tables beside the paper's numbers and two plots (error against H, against K) next to
+the file. ``--steps`` is the number of rollouts (2,000 in the paper); each trains ``--num_iterations`` optimiser
+steps. ``--jobs N`` runs N at a time, each in a process of its own (one thread each: one per core); ``--device cuda``
+trains on one GPU, in float32 as on the CPU, where several runs can share the GPU (``--jobs``).
 
     python benchmarks/paper_table3.py --lengths 7 8 --seeds 0 1 2 3 4
     python benchmarks/paper_table3.py --lengths 8 --num_generations 4 8 16 32 --prompts_per_step 256 \\
@@ -77,6 +80,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,6 +103,7 @@ from paper_task import (  # noqa: E402
     reference_optimizer,
 )
 from transformers import GPT2LMHeadModel, TrainerCallback  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import targetpo  # noqa: E402
 from targetpo.demo import exact_reversal_reward  # noqa: E402
@@ -134,6 +139,8 @@ METHOD_SETTINGS = {
 }
 #: The fields that make two runs the same measurement.
 RUN_KEY = ("method", "H", "K", "B", "seed", "steps", "num_iterations", "learning_rate")
+#: The file beside each checkpoint that holds the run's curves and training time so far.
+PROGRESS = "paper_table3_progress.json"
 
 
 def parse_args() -> argparse.Namespace:
@@ -158,6 +165,15 @@ def parse_args() -> argparse.Namespace:
                         help="Where the runs train: the CPU (float32), or one GPU (float32 too, so a run on either "
                         "is the same measurement: the file keeps one per method, H, K, B and seed, whichever device "
                         "trained it, and records which).")
+    parser.add_argument("--checkpoints", default=None,
+                        help="A folder for runs' checkpoints (weights, optimiser, random state and curves so far): "
+                        "a run that stops before its end resumes from its last one when asked again; a finished "
+                        "run's are removed. Unset: runs keep nothing and a stopped one starts over.")
+    parser.add_argument("--checkpoint_every", type=int, default=100, help="Rollouts between two checkpoints.")
+    parser.add_argument("--time_limit", type=float, default=None,
+                        help="Seconds from the invocation's start after which each run saves a checkpoint at the end "
+                        "of its rollout and stops, to resume later (needs --checkpoints): for calls with a deadline. "
+                        "A run that starts after it trains one rollout.")
     parser.add_argument("--output", default="docs/benchmarks/paper_table3.json")
     parser.add_argument("--quiet", action="store_true",
                         help="Print only each run's summary line: no training logs, no report.")
@@ -190,6 +206,31 @@ class EvaluateExpectedError(TrainerCallback):
             self.curve.append([state.global_step, round(expected_exact_match_error(model, self.length), 4)])
 
 
+class Checkpoints(TrainerCallback):
+    """Keeps the run's curves and training time beside each checkpoint, and, once ``deadline`` (a ``time.time()``)
+    has passed, saves a checkpoint at the end of the rollout and stops the run there."""
+
+    def __init__(self, reward: RecordedReward, eval_curve: list, seconds_before: float, iterations: int,
+                 deadline: float | None):
+        self.reward, self.eval_curve, self.iterations, self.deadline = reward, eval_curve, iterations, deadline
+        self.seconds_before, self.started = seconds_before, time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def train_seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def on_step_end(self, args, state, control, **kwargs):
+        at_a_rollouts_end = state.global_step % self.iterations == 0 and state.global_step < state.max_steps
+        if self.deadline is not None and at_a_rollouts_end and time.time() >= self.deadline:
+            control.should_save = control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        progress = {"errors": self.reward.errors, "eval_curve": self.eval_curve, "train_seconds": self.train_seconds()}
+        (Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROGRESS).write_text(json.dumps(progress))
+
+
 def run_settings(method: str, length: int, group_size: int, args: argparse.Namespace, output_dir: str) -> dict:
     """The trainer settings of one run: the shared ones, the run's sizes, then the method's own."""
     settings = dict(
@@ -207,18 +248,37 @@ def run_settings(method: str, length: int, group_size: int, args: argparse.Names
     )
     if settings.get("sync_ref_model"):
         settings["ref_model_sync_steps"] = args.num_iterations  # the reference becomes each rollout's policy
+    if args.checkpoints:  # at rollouts' ends, where the reference is the policy
+        settings.update(save_strategy="steps", save_steps=args.checkpoint_every * args.num_iterations,
+                        save_total_limit=1)
     return settings
 
 
-def train_once(method: str, length: int, group_size: int, seed: int, args: argparse.Namespace) -> dict:
-    """One run from fresh weights; returns its record."""
+def checkpoint_folder(method: str, length: int, group_size: int, seed: int, args: argparse.Namespace) -> Path:
+    """Where a run keeps its checkpoints: named by every field of its key."""
+    return Path(args.checkpoints) / (f"{method}-H{length}-K{group_size}-B{args.prompts_per_step}-seed{seed}-"
+                                     f"steps{args.steps}-i{args.num_iterations}-lr{args.learning_rate:g}")
+
+
+def train_once(method: str, length: int, group_size: int, seed: int, args: argparse.Namespace) -> dict | None:
+    """One run from fresh weights, or from its last checkpoint; returns its record, or None where the deadline
+    stopped it (its checkpoint kept)."""
     started = time.perf_counter()
+    folder = checkpoint_folder(method, length, group_size, seed, args) if args.checkpoints else None
+    resume = get_last_checkpoint(str(folder)) if folder is not None and folder.is_dir() else None
+    progress = json.loads((Path(resume) / PROGRESS).read_text()) if resume else {}
     with tempfile.TemporaryDirectory(prefix=f"paper_table3-{method}-H{length}-") as workdir:
-        # Loaded from a directory, so TRL can build its reference model (beta > 0) from the same weights.
-        reference_model(length, seed).save_pretrained(f"{workdir}/initial")
+        # Loaded from a directory, so TRL can build its reference model (beta > 0) from the same weights: a resumed
+        # run's are the checkpoint's, as the reference is the policy at a rollout's end.
+        (GPT2LMHeadModel.from_pretrained(resume) if resume else reference_model(length, seed)).save_pretrained(
+            f"{workdir}/initial"
+        )
         model = GPT2LMHeadModel.from_pretrained(f"{workdir}/initial", dtype=torch.float32)
-        settings = run_settings(method, length, group_size, args, output_dir=f"{workdir}/trainer")
-        reward, eval_curve = RecordedReward(), []
+        settings = run_settings(method, length, group_size, args, output_dir=str(folder or f"{workdir}/trainer"))
+        reward, eval_curve = RecordedReward(), [list(point) for point in progress.get("eval_curve", [])]
+        reward.errors = list(progress.get("errors", []))
+        checkpoints = Checkpoints(reward, eval_curve, progress.get("train_seconds", 0.0), args.num_iterations,
+                                  args.deadline)
         trainer = make_trainer(
             method,
             dict(settings, seed=seed),
@@ -227,12 +287,15 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
             train_dataset=paper_prompts(length, args.steps * args.prompts_per_step, seed),
             processing_class=bit_tokenizer(),
             optimizers=(reference_optimizer(model, args.learning_rate), None),
-            callbacks=[EvaluateExpectedError(length, args.eval_every * args.num_iterations, eval_curve)],
+            callbacks=[EvaluateExpectedError(length, args.eval_every * args.num_iterations, eval_curve), checkpoints],
         )
-        train_started = time.perf_counter()
-        trainer.train()
-        train_seconds = time.perf_counter() - train_started
+        trainer.train(resume_from_checkpoint=resume)
+        if trainer.state.global_step < settings["max_steps"]:
+            return None  # stopped at the deadline: its checkpoint resumes it
+        train_seconds = checkpoints.train_seconds()
         expected = expected_exact_match_error(trainer.model, length)
+    if folder is not None:
+        shutil.rmtree(folder)
     return {
         "method": method, "H": length, "K": group_size, "B": args.prompts_per_step, "seed": seed,
         "steps": args.steps, "num_iterations": args.num_iterations, "learning_rate": args.learning_rate,
@@ -243,6 +306,7 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
         "train_seconds": round(train_seconds, 2),
         "seconds_per_step": round(train_seconds / args.steps, 4),
         "wall_seconds": round(time.perf_counter() - started, 2),
+        "resumed": bool(progress),
         "settings": {key: value for key, value in settings.items() if key != "output_dir"},
         "environment": environment(args.device),
     }
@@ -439,6 +503,9 @@ def run_and_append(run: tuple[str, int, int, int], args: argparse.Namespace, out
     """One run, its record appended to ``output``; prints the record's summary line."""
     with contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext():  # the trainer's logs
         record = train_once(*run, args)
+    if record is None:
+        print(f"stopped at the time limit, to resume from {checkpoint_folder(*run, args)}: {run}", flush=True)
+        return
     with locked_records(output) as records:
         records.append(record)
     print(json.dumps({field: record[field] for field in (*RUN_KEY, "final_error", "expected_error",
@@ -452,11 +519,15 @@ def run_in_processes(runs: list[tuple[str, int, int, int]], args: argparse.Names
               "--num_iterations", str(args.num_iterations), "--learning_rate", str(args.learning_rate),
               "--eval_every", str(args.eval_every), "--threads", str(args.threads), "--device", args.device,
               "--output", args.output, "--quiet"]
+    if args.checkpoints:
+        shared += ["--checkpoints", args.checkpoints, "--checkpoint_every", str(args.checkpoint_every)]
 
     def one(run: tuple[str, int, int, int]) -> bool:
         method, length, group_size, seed = run
         command = [sys.executable, __file__, "--methods", method, "--lengths", str(length),
                    "--num_generations", str(group_size), "--seeds", str(seed), *shared]
+        if args.deadline is not None:  # the same deadline: what is left of it when this run starts
+            command += ["--time_limit", str(max(0.0, args.deadline - time.time()))]
         done = subprocess.run(command, capture_output=True, text=True)
         print(done.stdout.strip() if done.returncode == 0 else f"{run} failed:\n{done.stderr[-3000:]}", flush=True)
         return done.returncode == 0
@@ -471,6 +542,9 @@ def main() -> None:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():  # the Trainer would quietly train on the CPU
         raise SystemExit("--device cuda: torch sees no GPU here.")
+    if args.time_limit is not None and not args.checkpoints:
+        raise SystemExit("--time_limit stops runs before their end, which only --checkpoints lets resume: set both.")
+    args.deadline = None if args.time_limit is None else time.time() + args.time_limit
     output = Path(args.output)
     torch.set_num_threads(args.threads)
     if not args.report_only:

@@ -136,13 +136,21 @@ class TextStore(NumberStore):
 
 def test_each_rows_calls_are_read_against_its_own_environments_tools(tmp_path):
     """Two environments with a tool of the same name, one taking an integer, one text: the same call text reaches
-    each with its own tool's type (arguments are cast to the calling tool's schema, not to the first one named so)."""
+    each with its own tool's type (arguments are cast to the calling tool's schema, not to the first one named so).
+    A row whose environment has no tools was shown none: its turn is its answer, call-like text and all."""
 
     def store_once(context):
         return "done" if "<tool_response>" in context else think("store it") + qwen3_call("store", value="7")
 
-    rows = two_environment_rows(("integers", "texts") * 4)
-    trainer = qwen3_trainer(tmp_path, {"integers": IntegerStore, "texts": TextStore}, rows, policy=store_once)
+    conversations = []
+
+    def record(completions, **kwargs):
+        conversations.extend(completions)
+        return [0.0] * len(completions)
+
+    rows = two_environment_rows(("integers", "texts", "plain", "integers") * 2)
+    environments = {"integers": IntegerStore, "texts": TextStore, "plain": NumberStore}
+    trainer = qwen3_trainer(tmp_path, environments, rows, reward_funcs=[record], policy=store_once)
     seen, original = [], trainer._environments.start
 
     def start(*args, **kwargs):
@@ -152,9 +160,16 @@ def test_each_rows_calls_are_read_against_its_own_environments_tools(tmp_path):
 
     trainer._environments.start = start
     trainer.train()
-    assert [type(environment) for environment in seen] == [IntegerStore, IntegerStore, TextStore, TextStore] * 2
-    assert [environment.stored for environment in seen] == [[7], [7], ["7"], ["7"]] * 2
+    kinds = [IntegerStore, TextStore, NumberStore, IntegerStore]
+    assert [type(environment) for environment in seen] == [kind for kind in kinds for _ in range(2)]
+    assert [environment.stored for environment in seen] == [[7], [7], ["7"], ["7"], [], [], [7], [7]]
     assert trainer.state.log_history[0]["rewards/TextStore/mean"] == 1.0
+    for conversation, environment in zip(conversations, seen):
+        if type(environment) is NumberStore:
+            [answer] = conversation
+            assert "tool_calls" not in answer and '"name": "store"' in answer["content"]
+        else:
+            assert [message["role"] for message in conversation] == ["assistant", "tool", "assistant"]
 
 
 def test_an_environment_named_nowhere_or_an_unnamed_row_is_refused_before_any_work(tmp_path):

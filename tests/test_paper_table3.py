@@ -93,6 +93,22 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
         assert [rollout for rollout, _ in run["eval_curve"]] == [1, 2, 3]
         assert run["eval_curve"][-1][1] == pytest.approx(run["expected_error"], abs=1e-3)
 
+    # Runs stopped by the time limit (each at its first rollout's end: the limit is 0) resume from their checkpoints
+    # to the records of the runs above, which ran straight through (GRPO's KL reference included).
+    checkpoints, resumed_output = tmp_path / "checkpoints", tmp_path / "resumed.json"
+    interrupted = [*small[:-1], str(resumed_output), "--seeds", "0", "--methods", *methods,
+                   "--checkpoints", str(checkpoints), "--checkpoint_every", "1"]
+    assert run_script(*interrupted, "--time_limit", "0").count("stopped at the time limit") == len(methods)
+    assert not resumed_output.exists() and len(list(checkpoints.iterdir())) == len(methods)
+    run_script(*interrupted)
+    resumed = json.loads(resumed_output.read_text())["runs"]
+    assert not any(checkpoints.iterdir())  # a finished run's checkpoints are removed
+    assert [run["method"] for run in resumed] == [run["method"] for run in first]
+    for straight, stopped in zip(first, resumed):
+        assert stopped["resumed"] and not straight["resumed"]
+        for field in ("curve", "eval_curve", "expected_error"):
+            assert stopped[field] == straight[field], (straight["method"], field)
+
     # Two runs at a time, each in a process of its own, appended to the same file.
     run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo", "targetpo-grpo", "--jobs", "2")
     second = json.loads(output.read_text())["runs"]
