@@ -97,12 +97,13 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
     # to the records of the runs above, which ran straight through (GRPO's KL reference included).
     checkpoints, resumed_output = tmp_path / "checkpoints", tmp_path / "resumed.json"
     interrupted = [*small[:-1], str(resumed_output), "--seeds", "0", "--methods", *methods,
-                   "--checkpoints", str(checkpoints), "--checkpoint_every", "1"]
+                   "--checkpoints", str(checkpoints), "--checkpoint_every", "1", "--jobs", "2"]  # the limit reaches each
     assert run_script(*interrupted, "--time_limit", "0").count("stopped at the time limit") == len(methods)
     assert not resumed_output.exists() and len(list(checkpoints.iterdir())) == len(methods)
     run_script(*interrupted)
     resumed = json.loads(resumed_output.read_text())["runs"]
     assert not any(checkpoints.iterdir())  # a finished run's checkpoints are removed
+    resumed.sort(key=lambda run: methods.index(run["method"]))  # in the order they finished
     assert [run["method"] for run in resumed] == [run["method"] for run in first]
     for straight, stopped in zip(first, resumed):
         assert stopped["resumed"] and not straight["resumed"]
