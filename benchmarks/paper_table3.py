@@ -211,9 +211,9 @@ class Checkpoints(TrainerCallback):
     has passed, saves a checkpoint at the end of the rollout and stops the run there."""
 
     def __init__(self, reward: RecordedReward, eval_curve: list, seconds_before: float, iterations: int,
-                 deadline: float | None):
+                 deadline: float | None, device: str):
         self.reward, self.eval_curve, self.iterations, self.deadline = reward, eval_curve, iterations, deadline
-        self.seconds_before, self.started = seconds_before, time.perf_counter()
+        self.seconds_before, self.started, self.device = seconds_before, time.perf_counter(), device
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
@@ -227,7 +227,8 @@ class Checkpoints(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
     def on_save(self, args, state, control, **kwargs):
-        progress = {"errors": self.reward.errors, "eval_curve": self.eval_curve, "train_seconds": self.train_seconds()}
+        progress = {"errors": self.reward.errors, "eval_curve": self.eval_curve, "train_seconds": self.train_seconds(),
+                    "device": self.device}
         (Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROGRESS).write_text(json.dumps(progress))
 
 
@@ -267,6 +268,13 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
     folder = checkpoint_folder(method, length, group_size, seed, args) if args.checkpoints else None
     resume = get_last_checkpoint(str(folder)) if folder is not None and folder.is_dir() else None
     progress = json.loads((Path(resume) / PROGRESS).read_text()) if resume else {}
+    device = device_name(args.device)
+    if progress.get("device", device) != device:
+        raise SystemExit(
+            f"{folder} holds a run started on {progress['device']}, and this invocation trains on {device}, whose "
+            "random stream differs: the resumed run would be neither device's run. Resume it on the kind of device it "
+            "started on, or delete the folder to start it over here."
+        )
     with tempfile.TemporaryDirectory(prefix=f"paper_table3-{method}-H{length}-") as workdir:
         # Loaded from a directory, so TRL can build its reference model (beta > 0) from the same weights: a resumed
         # run's are the checkpoint's, as the reference is the policy at a rollout's end.
@@ -278,7 +286,7 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
         reward, eval_curve = RecordedReward(), [list(point) for point in progress.get("eval_curve", [])]
         reward.errors = list(progress.get("errors", []))
         checkpoints = Checkpoints(reward, eval_curve, progress.get("train_seconds", 0.0), args.num_iterations,
-                                  args.deadline)
+                                  args.deadline, device)
         trainer = make_trainer(
             method,
             dict(settings, seed=seed),
@@ -317,7 +325,11 @@ def environment(device: str) -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": _version("trl"),
             "targetpo": targetpo.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+            "device": device_name(device)}
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
 # --------------------------------------------------------------------------------------------- the records

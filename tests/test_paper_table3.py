@@ -100,6 +100,14 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
                    "--checkpoints", str(checkpoints), "--checkpoint_every", "1", "--jobs", "2"]  # the limit reaches each
     assert run_script(*interrupted, "--time_limit", "0").count("stopped at the time limit") == len(methods)
     assert not resumed_output.exists() and len(list(checkpoints.iterdir())) == len(methods)
+    # A checkpoint from another kind of device (its random stream differs) is refused, not resumed.
+    [progress] = (checkpoints / "targetpo-tpo-H3-K4-B4-seed0-steps3-i4-lr0.001").glob("checkpoint-*/*progress.json")
+    saved = progress.read_text()
+    progress.write_text(json.dumps(dict(json.loads(saved), device="NVIDIA H100 80GB HBM3")))
+    refused = subprocess.run([sys.executable, str(SCRIPT), *interrupted[:-2], "--methods", "targetpo-tpo"], cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "holds a run started on NVIDIA H100 80GB HBM3" in refused.stderr
+    progress.write_text(saved)
     run_script(*interrupted)
     resumed = json.loads(resumed_output.read_text())["runs"]
     assert not any(checkpoints.iterdir())  # a finished run's checkpoints are removed
