@@ -213,7 +213,7 @@ class Checkpoints(TrainerCallback):
     def __init__(self, reward: RecordedReward, eval_curve: list, seconds_before: float, iterations: int,
                  deadline: float | None, device: str):
         self.reward, self.eval_curve, self.iterations, self.deadline = reward, eval_curve, iterations, deadline
-        self.seconds_before, self.started, self.device = seconds_before, time.perf_counter(), device
+        self.seconds_before, self.device = seconds_before, device
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()

@@ -65,10 +65,14 @@ def test_a_uniform_policy_has_the_error_of_a_coin_per_bit():
     assert expected == pytest.approx(100.0 * (1 - 2.0**-LENGTH), abs=1e-4)
 
 
-def run_script(*arguments: str) -> str:
+def script(*arguments: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(SCRIPT), *arguments], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
+    return subprocess.run([sys.executable, str(SCRIPT), *arguments], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def run_script(*arguments: str) -> str:
+    result = script(*arguments)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -104,8 +108,7 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
     [progress] = (checkpoints / "targetpo-tpo-H3-K4-B4-seed0-steps3-i4-lr0.001").glob("checkpoint-*/*progress.json")
     saved = progress.read_text()
     progress.write_text(json.dumps(dict(json.loads(saved), device="NVIDIA H100 80GB HBM3")))
-    refused = subprocess.run([sys.executable, str(SCRIPT), *interrupted[:-2], "--methods", "targetpo-tpo"], cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+    refused = script(*interrupted[:-2], "--methods", "targetpo-tpo")
     assert refused.returncode != 0 and "holds a run started on NVIDIA H100 80GB HBM3" in refused.stderr
     progress.write_text(saved)
     run_script(*interrupted)
