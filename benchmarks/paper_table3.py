@@ -103,7 +103,6 @@ from paper_task import (  # noqa: E402
     reference_optimizer,
 )
 from transformers import GPT2LMHeadModel, TrainerCallback  # noqa: E402
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import targetpo  # noqa: E402
 from targetpo.demo import exact_reversal_reward  # noqa: E402
@@ -211,9 +210,9 @@ class Checkpoints(TrainerCallback):
     has passed, saves a checkpoint at the end of the rollout and stops the run there."""
 
     def __init__(self, reward: RecordedReward, eval_curve: list, seconds_before: float, iterations: int,
-                 deadline: float | None, device: str):
+                 deadline: float | None, device: str, eval_every: int):
         self.reward, self.eval_curve, self.iterations, self.deadline = reward, eval_curve, iterations, deadline
-        self.seconds_before, self.device = seconds_before, device
+        self.seconds_before, self.device, self.eval_every = seconds_before, device, eval_every
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
@@ -227,9 +226,17 @@ class Checkpoints(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
     def on_save(self, args, state, control, **kwargs):
+        """The progress file is written last, whole (a rename), so it marks a complete checkpoint; only then are the
+        older checkpoints removed: a process killed during a save leaves the previous one to resume from."""
         progress = {"errors": self.reward.errors, "eval_curve": self.eval_curve, "train_seconds": self.train_seconds(),
-                    "device": self.device}
-        (Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROGRESS).write_text(json.dumps(progress))
+                    "device": self.device, "eval_every": self.eval_every}
+        saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        partial = saved / f"{PROGRESS}.partial"
+        partial.write_text(json.dumps(progress))
+        os.replace(partial, saved / PROGRESS)
+        for older in Path(args.output_dir).glob("checkpoint-*"):
+            if older != saved:
+                shutil.rmtree(older)
 
 
 def run_settings(method: str, length: int, group_size: int, args: argparse.Namespace, output_dir: str) -> dict:
@@ -249,9 +256,8 @@ def run_settings(method: str, length: int, group_size: int, args: argparse.Names
     )
     if settings.get("sync_ref_model"):
         settings["ref_model_sync_steps"] = args.num_iterations  # the reference becomes each rollout's policy
-    if args.checkpoints:  # at rollouts' ends, where the reference is the policy
-        settings.update(save_strategy="steps", save_steps=args.checkpoint_every * args.num_iterations,
-                        save_total_limit=1)
+    if args.checkpoints:  # at rollouts' ends, where the reference is the policy; Checkpoints removes older ones
+        settings.update(save_strategy="steps", save_steps=args.checkpoint_every * args.num_iterations)
     return settings
 
 
@@ -261,20 +267,41 @@ def checkpoint_folder(method: str, length: int, group_size: int, seed: int, args
                                      f"steps{args.steps}-i{args.num_iterations}-lr{args.learning_rate:g}")
 
 
+def resume_point(method: str, length: int, group_size: int, seed: int,
+                 args: argparse.Namespace) -> tuple[str | None, dict]:
+    """The run's checkpoint to resume from (None: start fresh) and its progress. The newest checkpoint whose progress
+    file was written is complete (a save writes it last); a run started on another kind of device, or with another
+    ``--eval_every``, is refused: resumed here it would be neither run."""
+    if not args.checkpoints:
+        return None, {}
+    folder = checkpoint_folder(method, length, group_size, seed, args)
+    complete = [path for path in folder.glob("checkpoint-*") if (path / PROGRESS).is_file()]
+    if not complete:
+        return None, {}
+    resume = max(complete, key=lambda path: int(path.name.rpartition("-")[2]))
+    progress = json.loads((resume / PROGRESS).read_text())
+    device = device_name(args.device)
+    if progress.get("device", device) != device:
+        raise SystemExit(
+            f"{folder} holds a run started on {progress['device']}, and this invocation trains on {device}, whose "
+            "random stream and arithmetic differ: the resumed run would be neither device's run. Resume it on the "
+            "kind of device it started on, or delete the folder to start it over here."
+        )
+    if progress.get("eval_every", args.eval_every) != args.eval_every:
+        raise SystemExit(
+            f"{folder} holds a run evaluated every {progress['eval_every']} rollouts, and this invocation asks for "
+            f"--eval_every {args.eval_every}: its expected-error curve would mix the two. Resume it with "
+            f"--eval_every {progress['eval_every']}, or delete the folder to start it over."
+        )
+    return str(resume), progress
+
+
 def train_once(method: str, length: int, group_size: int, seed: int, args: argparse.Namespace) -> dict | None:
     """One run from fresh weights, or from its last checkpoint; returns its record, or None where the deadline
     stopped it (its checkpoint kept)."""
     started = time.perf_counter()
     folder = checkpoint_folder(method, length, group_size, seed, args) if args.checkpoints else None
-    resume = get_last_checkpoint(str(folder)) if folder is not None and folder.is_dir() else None
-    progress = json.loads((Path(resume) / PROGRESS).read_text()) if resume else {}
-    device = device_name(args.device)
-    if progress.get("device", device) != device:
-        raise SystemExit(
-            f"{folder} holds a run started on {progress['device']}, and this invocation trains on {device}, whose "
-            "random stream differs: the resumed run would be neither device's run. Resume it on the kind of device it "
-            "started on, or delete the folder to start it over here."
-        )
+    resume, progress = resume_point(method, length, group_size, seed, args)
     with tempfile.TemporaryDirectory(prefix=f"paper_table3-{method}-H{length}-") as workdir:
         # Loaded from a directory, so TRL can build its reference model (beta > 0) from the same weights: a resumed
         # run's are the checkpoint's, as the reference is the policy at a rollout's end.
@@ -286,7 +313,7 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
         reward, eval_curve = RecordedReward(), [list(point) for point in progress.get("eval_curve", [])]
         reward.errors = list(progress.get("errors", []))
         checkpoints = Checkpoints(reward, eval_curve, progress.get("train_seconds", 0.0), args.num_iterations,
-                                  args.deadline, device)
+                                  args.deadline, device_name(args.device), args.eval_every)
         trainer = make_trainer(
             method,
             dict(settings, seed=seed),
@@ -302,8 +329,6 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
             return None  # stopped at the deadline: its checkpoint resumes it
         train_seconds = checkpoints.train_seconds()
         expected = expected_exact_match_error(trainer.model, length)
-    if folder is not None:
-        shutil.rmtree(folder)
     return {
         "method": method, "H": length, "K": group_size, "B": args.prompts_per_step, "seed": seed,
         "steps": args.steps, "num_iterations": args.num_iterations, "learning_rate": args.learning_rate,
@@ -520,6 +545,8 @@ def run_and_append(run: tuple[str, int, int, int], args: argparse.Namespace, out
         return
     with locked_records(output) as records:
         records.append(record)
+    if args.checkpoints:  # only once its record is saved: a process killed in between resumes at the last checkpoint
+        shutil.rmtree(checkpoint_folder(*run, args), ignore_errors=True)
     print(json.dumps({field: record[field] for field in (*RUN_KEY, "final_error", "expected_error",
                                                          "seconds_per_step")}), flush=True)
 
@@ -556,11 +583,15 @@ def main() -> None:
         raise SystemExit("--device cuda: torch sees no GPU here.")
     if args.time_limit is not None and not args.checkpoints:
         raise SystemExit("--time_limit stops runs before their end, which only --checkpoints lets resume: set both.")
+    if args.checkpoint_every < 1:
+        raise SystemExit(f"--checkpoint_every {args.checkpoint_every}: a checkpoint every N >= 1 rollouts.")
     args.deadline = None if args.time_limit is None else time.time() + args.time_limit
     output = Path(args.output)
     torch.set_num_threads(args.threads)
     if not args.report_only:
         runs = pending_runs(args, output)
+        for run in runs:  # a checkpoint this invocation cannot resume is refused before any run trains
+            resume_point(*run, args)
         if args.jobs > 1 and len(runs) > 1:
             run_in_processes(runs, args)
         else:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,13 +105,20 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
                    "--checkpoints", str(checkpoints), "--checkpoint_every", "1", "--jobs", "2"]  # the limit reaches each
     assert run_script(*interrupted, "--time_limit", "0").count("stopped at the time limit") == len(methods)
     assert not resumed_output.exists() and len(list(checkpoints.iterdir())) == len(methods)
-    # A checkpoint from another kind of device (its random stream differs) is refused, not resumed.
+    # A checkpoint from another kind of device (its random stream differs), or evaluated at another cadence, is
+    # refused before any run trains (GRPO's, first in line, would resume fine).
     [progress] = (checkpoints / "targetpo-tpo-H3-K4-B4-seed0-steps3-i4-lr0.001").glob("checkpoint-*/*progress.json")
     saved = progress.read_text()
     progress.write_text(json.dumps(dict(json.loads(saved), device="NVIDIA H100 80GB HBM3")))
-    refused = script(*interrupted[:-2], "--methods", "targetpo-tpo")
+    refused = script(*interrupted[:-2], "--methods", "targetpo-grpo", "targetpo-tpo")
     assert refused.returncode != 0 and "holds a run started on NVIDIA H100 80GB HBM3" in refused.stderr
+    assert not resumed_output.exists()
     progress.write_text(saved)
+    refused = script(*interrupted[:-2], "--methods", "targetpo-tpo", "--eval_every", "2")
+    assert refused.returncode != 0 and "--eval_every 1, or delete the folder" in refused.stderr
+    # A newer checkpoint without its progress file (the process killed while saving it) is passed over.
+    incomplete = progress.parent.with_name("checkpoint-999")
+    shutil.copytree(progress.parent, incomplete, ignore=shutil.ignore_patterns(progress.name))
     run_script(*interrupted)
     resumed = json.loads(resumed_output.read_text())["runs"]
     assert not any(checkpoints.iterdir())  # a finished run's checkpoints are removed
@@ -124,18 +132,19 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
     # Two runs at a time, each in a process of its own, appended to the same file.
     run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo", "targetpo-grpo", "--jobs", "2")
     second = json.loads(output.read_text())["runs"]
-    assert second[:3] == first and len(second) == 5
-    assert sorted((run["method"], run["seed"]) for run in second[3:]) == [("targetpo-grpo", 1), ("targetpo-tpo", 1)]
+    added = second[len(first) :]
+    assert second[: len(first)] == first and len(added) == 2
+    assert sorted((run["method"], run["seed"]) for run in added) == [("targetpo-grpo", 1), ("targetpo-tpo", 1)]
     # A run in its own process is the run this process would have trained: every setting reached it.
     alone = tmp_path / "alone.json"
     run_script(*small[:-1], str(alone), "--seeds", "1", "--methods", "targetpo-tpo")
     [sequential] = json.loads(alone.read_text())["runs"]
-    [parallel] = [run for run in second[3:] if run["method"] == "targetpo-tpo"]
+    [parallel] = [run for run in added if run["method"] == "targetpo-tpo"]
     for field in ("curve", "eval_curve", "expected_error", "settings"):
         assert parallel[field] == sequential[field], field
 
     assert "already in" in run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo")  # not run twice
-    assert len(json.loads(output.read_text())["runs"]) == 5
+    assert len(json.loads(output.read_text())["runs"]) == len(second)
 
     text = run_script("--report_only", "--output", str(output))
     table = [line for line in text.splitlines() if line.startswith("| ")]
