@@ -111,11 +111,13 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
     saved = progress.read_text()
     progress.write_text(json.dumps(dict(json.loads(saved), device="NVIDIA H100 80GB HBM3")))
     refused = script(*interrupted[:-2], "--methods", "targetpo-grpo", "targetpo-tpo")
-    assert refused.returncode != 0 and "holds a run started on NVIDIA H100 80GB HBM3" in refused.stderr
+    assert refused.returncode != 0 and "device 'NVIDIA H100 80GB HBM3' (here: 'cpu')" in refused.stderr
     assert not resumed_output.exists()
     progress.write_text(saved)
     refused = script(*interrupted[:-2], "--methods", "targetpo-tpo", "--eval_every", "2")
-    assert refused.returncode != 0 and "--eval_every 1, or delete the folder" in refused.stderr
+    assert refused.returncode != 0 and "eval_every 1 (here: 2)" in refused.stderr
+    refused = script(*interrupted[:-2], "--methods", "targetpo-tpo", "--share_prompts")
+    assert refused.returncode != 0 and "share_prompts False (here: True)" in refused.stderr
     # A newer checkpoint without its progress file (the process killed while saving it) is passed over.
     incomplete = progress.parent.with_name("checkpoint-999")
     shutil.copytree(progress.parent, incomplete, ignore=shutil.ignore_patterns(progress.name))
@@ -142,6 +144,14 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
     [parallel] = [run for run in added if run["method"] == "targetpo-tpo"]
     for field in ("curve", "eval_curve", "expected_error", "settings"):
         assert parallel[field] == sequential[field], field
+
+    # --share_prompts reaches targetpo's trainer; TRL has no such setting, so it is refused with trl-grpo.
+    shared = tmp_path / "shared.json"
+    run_script(*small[:-1], str(shared), "--seeds", "1", "--methods", "targetpo-tpo", "--share_prompts")
+    [shared_run] = json.loads(shared.read_text())["runs"]
+    assert shared_run["settings"] == dict(sequential["settings"], share_prompt_forward=True)
+    refused = script(*small, "--seeds", "1", "--methods", "trl-grpo", "--share_prompts")
+    assert refused.returncode != 0 and "run trl-grpo in an invocation without it" in refused.stderr
 
     assert "already in" in run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo")  # not run twice
     assert len(json.loads(output.read_text())["runs"]) == len(second)
