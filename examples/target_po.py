@@ -1,7 +1,7 @@
 """Fine-tune a causal language model with Target Policy Optimization (TPO).
 
 With no arguments it trains the embedded offline default — a tiny model learning to reverse 6-bit binary strings
-from a reward of 1 for an exact answer and 0 otherwise — in about two minutes on a laptop CPU:
+from a reward of 1 for an exact answer and 0 otherwise — in about 1.5 minutes on a 2-core CPU:
 
     python examples/target_po.py
 
@@ -125,7 +125,7 @@ and the defaults shown below are the reverse task's; with --dataset_name the lib
 only the flags you leave out: a flag you pass is used as given, or refused with the reason.
 
 examples:
-  # the default: learn to reverse 6-bit strings from an exact-match reward (about two minutes on a laptop CPU)
+  # the default: learn to reverse 6-bit strings from an exact-match reward (about 1.5 minutes on a 2-core CPU)
   python examples/target_po.py
 
   # the multi-turn task: find a hidden digit with a `guess` tool that answers higher or lower

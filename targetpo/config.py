@@ -232,13 +232,15 @@ class GRPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Completions generated per rollout, over all processes. Defaults to "
-            "per_device_train_batch_size * world_size * steps_per_generation. Exclusive with steps_per_generation."
+            "per_device_train_batch_size * world_size * steps_per_generation. Set this or steps_per_generation; both "
+            "only where they agree."
         },
     )
     steps_per_generation: Annotated[int | None, Range(at_least=1)] = field(
         default=None,
         metadata={
-            "help": "Optimisation micro-steps served by one rollout (default 1). Exclusive with generation_batch_size."
+            "help": "Optimisation micro-steps served by one rollout (default 1). Set this or generation_batch_size; both "
+            "only where they agree."
         },
     )
     num_iterations: Annotated[int, Range(at_least=1)] = field(
@@ -398,7 +400,8 @@ class GRPOConfig(TrainingArguments):
             "zero: invalid ones, groups with fewer than two valid members, (GRPO) zero advantages and (TPO) groups "
             "whose scores are all equal while the weights are still those of the rollout (with disable_dropout). The "
             "gradient is unchanged up to rounding; the logged loss then leaves out those groups' constant terms. Only "
-            "with beta=0, no entropy bonus and top_entropy_quantile=1 (those terms reach every completion)."
+            "with beta=0, no entropy bonus, top_entropy_quantile=1 and no mixture-of-experts router loss (those terms "
+            "reach every completion)."
         },
     )
     ds3_gather_for_generation: bool = field(
@@ -543,8 +546,8 @@ class GRPOConfig(TrainingArguments):
         default="dapo",
         metadata={
             "help": "The policy loss: 'tpo' (cross-entropy to the target q) or a GRPO-family loss over the same "
-            "rollouts: 'grpo' (clipped surrogate, token mean per sequence), 'dapo' (token sum over the tokens of the "
-            "accumulated batch), 'dr_grpo' (token sum over a constant batch x max_completion_length), 'bnpo' (token "
+            "rollouts: 'grpo' (clipped surrogate, token mean per sequence), 'dapo' (token sum over the rollout's mean "
+            "valid-token count per micro-batch, all processes), 'dr_grpo' (token sum over a constant batch x max_completion_length), 'bnpo' (token "
             "mean of the local batch), 'cispo' (clipped importance weights on the log-probs), 'sapo' (soft gate), "
             "'luspo' (length-scaled sequence ratios) or 'vespo' (smooth sequence weights).",
             "choices": LOSS_TYPES,
@@ -699,7 +702,10 @@ class GRPOConfig(TrainingArguments):
     )
     log_multimodal: bool = field(
         default=True,
-        metadata={"help": "Log images with the completions (no effect: image prompts are not supported yet)."},
+        metadata={
+            "help": "Accepted, no effect: the completions table shows the prompts' text (image parts as "
+            "placeholders), never the images."
+        },
     )
 
     def __post_init__(self):
