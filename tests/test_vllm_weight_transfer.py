@@ -304,12 +304,22 @@ def test_the_rendezvous_and_the_groups_connections_listen_on_the_address_given_o
 
 
 def test_failures_on_either_side_raise_on_the_trainer_at_once_instead_of_hanging():
+    import threading
     import time
 
+    # The server refuses the init: the trainer does not wait out the rendezvous (10 s here).
     started = time.monotonic()
-    # The server refuses the init: the trainer does not wait out the rendezvous.
     with pytest.raises(RuntimeError, match="500"):
-        open_in_process(InProcessServer(RecordingModel(), refuse_init=True), list_source(odd_tensors()))
+        open_in_process(InProcessServer(RecordingModel(), refuse_init=True), list_source(odd_tensors()), timeout_s=10)
+    assert time.monotonic() - started < 5
+    # Its own end of the rendezvous stays blocked (holding the store's server) until that timeout: wait it out, as a
+    # process exiting while a thread is inside gloo's rendezvous can abort in its native teardown.
+    deadline = time.monotonic() + 30
+    while any(thread.name == "gloo-rendezvous" for thread in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(thread.name == "gloo-rendezvous" for thread in threading.enumerate())
+
+    started = time.monotonic()
 
     # The worker fails mid-push: the trainer stops broadcasting and raises the worker's error.
     server = InProcessServer(RecordingModel(fail_on_call=3))
