@@ -276,7 +276,7 @@ def test_the_rendezvous_and_the_groups_connections_listen_on_the_address_given_o
     import psutil
     from vllm_serve import free_port
 
-    from targetpo.generation.gloo_transfer import _close_group, _open_group
+    from targetpo.generation.gloo_transfer import _close_group, _join_group, _TrainerRendezvous
 
     def listening():
         return {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
@@ -285,14 +285,11 @@ def test_the_rendezvous_and_the_groups_connections_listen_on_the_address_given_o
     port = free_port()
     groups = [None, None]
 
-    def join(rank):
-        groups[rank] = _open_group("127.0.0.1", port, rank, 2, 30)
-
-    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    trainer_end = _TrainerRendezvous("127.0.0.1", port, 2, 30)
+    worker = threading.Thread(target=lambda: groups.__setitem__(1, _join_group("127.0.0.1", port, 1, 2, 30)))
+    worker.start()
+    groups[0] = trainer_end.group.result(timeout=30)
+    worker.join()
     try:
         opened = listening() - before
         assert any(address.port == port for address in opened)  # the store
@@ -307,17 +304,20 @@ def test_failures_on_either_side_raise_on_the_trainer_at_once_instead_of_hanging
     import threading
     import time
 
-    # The server refuses the init: the trainer does not wait out the rendezvous (10 s here).
+    # The server refuses the init: the trainer raises at once instead of waiting out the rendezvous (60 s), leaves no
+    # thread inside it (a process exiting with one there can abort in native teardown) and lets the port go, so an
+    # init on the same port right after succeeds.
+    from vllm_serve import free_port
+
+    port = free_port()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="500"):
-        open_in_process(InProcessServer(RecordingModel(), refuse_init=True), list_source(odd_tensors()), timeout_s=10)
+        open_in_process(InProcessServer(RecordingModel(), refuse_init=True), list_source(odd_tensors()), master_port=port)
     assert time.monotonic() - started < 5
-    # Its own end of the rendezvous stays blocked (holding the store's server) until that timeout: wait it out, as a
-    # process exiting while a thread is inside gloo's rendezvous can abort in its native teardown.
-    deadline = time.monotonic() + 30
-    while any(thread.name == "gloo-rendezvous" for thread in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.1)
     assert not any(thread.name == "gloo-rendezvous" for thread in threading.enumerate())
+    server = InProcessServer(RecordingModel())
+    open_in_process(server, list_source(odd_tensors()), master_port=port).shutdown()
+    server.worker.shutdown()
 
     started = time.monotonic()
 

@@ -32,11 +32,14 @@ sides whatever the size of the largest tensor. Both sides derive the cuts from t
 which is why the trainer sends its buffer size to the workers at init.
 
 A failed push leaves the group closed on both sides: initialise again (``trainer_init``) before the next one.
+If the server refuses or fails the init, ``trainer_init`` raises its error at once and gives the port back (workers
+that fail after joining the store are the exception: then gloo's own rendezvous fails at ``timeout_s``).
 """
 
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -140,34 +143,102 @@ def _broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()  # raises once the group's timeout passes without the peers
 
 
-def _open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroupGloo:
-    """Join a gloo group of its own on a TCPStore hosted by rank 0 (the trainer) at ``address``.
+# Each worker rank sets this key in the store once it has connected, before entering gloo's rendezvous. The trainer
+# enters the rendezvous only when every worker has, so a server that fails or refuses before joining leaves the
+# trainer's end waiting in a loop it can leave, not inside gloo, which would hold its thread until the timeout.
+JOINED_KEY = "targetpo-gloo-weight-transfer/joined"
+PEER_POLL_S = 0.05
+
+
+def _gloo_group(store: Any, local_address: str, rank: int, world_size: int, timeout_s: float) -> ProcessGroupGloo:
+    """Gloo's rendezvous on ``store``, each rank's connections listening on ``local_address``.
 
     Built directly rather than with ``torch.distributed.init_process_group``, so neither side's default world (vLLM's
     workers have one) is touched; and rather than with vLLM's stateless helper, which redirects the process's stdout
     while it connects, so two groups opened at once in one process (tests) could leave stdout pointing nowhere.
-
-    Every socket listens on one interface, the one the peers reach, not on all: the store on ``address`` (a TCPStore
-    given only a port listens on every interface), and each rank's gloo connections on its own address towards it.
     """
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
-        store = _store_listening_on(address, port, world_size, timeout)
-        local_address = address
-    else:
-        store = TCPStore(address, port, world_size, False, timeout)
-        local_address = address_towards(address, port)
     options = ProcessGroupGloo._Options()
-    options._timeout = timeout
+    options._timeout = timedelta(seconds=timeout_s)
     options._devices = [ProcessGroupGloo.create_device(hostname=local_address)]
     return ProcessGroupGloo(PrefixStore("targetpo-gloo-weight-transfer", store), rank, world_size, options)
 
 
+def _join_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroupGloo:
+    """A worker's end: connect to the trainer's store at ``address``, say so, and enter the rendezvous."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(address, port, world_size, False, timedelta(seconds=timeout_s))
+    store.set(f"{JOINED_KEY}/{rank}", "1")
+    # Its connections listen on the interface the trainer reaches, not on every one: they carry raw weights.
+    return _gloo_group(store, address_towards(address, port), rank, world_size, timeout_s)
+
+
+class _TrainerRendezvous:
+    """The trainer's end (rank 0): the store is bound at once; the wait for the workers runs on a daemon thread.
+
+    :meth:`cancel` ends that wait within :data:`PEER_POLL_S` when the other side has failed, so no thread is left
+    blocked holding the store and its port until the timeout (a process exiting with a thread inside gloo's
+    rendezvous can abort in native teardown).
+    """
+
+    def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+        self.address, self.world_size, self.timeout_s = address, world_size, timeout_s
+        # Bound here, so a port already in use fails the caller at once.
+        self.store: Any = _store_listening_on(address, port, world_size, timedelta(seconds=timeout_s))
+        self.group: Future = Future()
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._open, name="gloo-rendezvous", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        store, self.store = self.store, None  # only this thread holds it from now on
+        try:
+            group = self._rendezvous(store)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
+            del store
+            # The finished frames below still hold the store; clearing them lets its port go now, so the caller can
+            # initialise again on the same port, rather than when the error is collected.
+            traceback.clear_frames(error.__traceback__)
+            self.group.set_exception(error)
+        else:
+            self.group.set_result(group)
+
+    def _rendezvous(self, store: Any) -> ProcessGroupGloo:
+        self._wait_for_workers(store)
+        return _gloo_group(store, self.address, 0, self.world_size, self.timeout_s)
+
+    def _wait_for_workers(self, store: Any) -> None:
+        import time
+
+        keys = [f"{JOINED_KEY}/{rank}" for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            if self._cancelled.wait(PEER_POLL_S):
+                raise RuntimeError("The gloo rendezvous was cancelled: the server failed to join.")
+            if time.monotonic() > deadline:
+                joined = sum(store.check([key]) for key in keys)
+                raise TimeoutError(
+                    f"Only {joined} of the server's {len(keys)} workers joined the gloo weight transfer within "
+                    f"{self.timeout_s:g} s: check that the server reaches {self.address} and serves with "
+                    f'--weight-transfer-config \'{{"backend": "gloo"}}\'.'
+                )
+
+    def cancel(self) -> None:
+        """Stop waiting for the workers and give the store back; a group already opened is closed."""
+        self._cancelled.set()
+        # Within a poll unless every worker had joined and the thread is inside gloo's rendezvous, which then fails
+        # at its own timeout.
+        self._thread.join(timeout=1.0)
+        if self.group.done() and self.group.exception() is None:
+            _close_group(self.group.result())
+
+
 def _store_listening_on(address: str, port: int, world_size: int, timeout: timedelta) -> Any:
-    """The group's TCPStore server, on a socket bound to ``address`` only (the store takes the socket over)."""
+    """The group's TCPStore server, on a socket bound to ``address`` only (a TCPStore given only a port listens on
+    every interface, and this one hands out the addresses weights travel to); it does not wait for the workers."""
     import socket
 
     from torch.distributed import TCPStore
@@ -175,7 +246,7 @@ def _store_listening_on(address: str, port: int, world_size: int, timeout: timed
     listener = socket.create_server((address, port), family=_family(address))
     listen_fd = listener.detach()
     try:
-        return TCPStore(address, port, world_size, True, timeout, master_listen_fd=listen_fd)
+        return TCPStore(address, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=listen_fd)
     except BaseException:
         socket.close(listen_fd)
         raise
@@ -253,7 +324,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # Unique across data-parallel replicas: the replica's first worker rank plus this worker's rank in it.
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        self.group = _open_group(
+        self.group = _join_group(
             init_info.master_address,
             init_info.master_port,
             init_info.rank_offset + worker_rank,
@@ -402,30 +473,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
             timeout_s=init_info.timeout_s,
         )
-        # Both sides block in the rendezvous until all ranks are in, so each runs on a thread of its own; whichever
+        # Both sides block in the rendezvous until all ranks are in, so the server's init runs on a thread too; whichever
         # fails first is raised (the server refusing the init would otherwise leave us waiting out the timeout).
-        opened: Future = Future()
-
-        def open_trainer_end() -> None:
-            try:
-                opened.set_result(
-                    _open_group(
-                        init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
-                    )
-                )
-            except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
-                opened.set_exception(error)
-
-        # Daemon threads: one left blocked by the other side's failure must not hold up interpreter exit.
-        threading.Thread(target=open_trainer_end, name="gloo-rendezvous", daemon=True).start()
+        rendezvous = _TrainerRendezvous(
+            init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_s
+        )
         remote = _in_daemon_thread(client.init_weight_transfer_engine, asdict(worker_info))
         try:
-            _first_error(remote, opened)
+            _first_error(remote, rendezvous.group)
         except BaseException:
-            if opened.done() and opened.exception() is None:
-                _close_group(opened.result())
+            rendezvous.cancel()
             raise
-        engine.group = opened.result()
+        engine.group = rendezvous.group.result()
         return engine
 
     def send_weights(self, weight_version: str | None = None) -> None:
