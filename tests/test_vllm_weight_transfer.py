@@ -269,6 +269,22 @@ def test_a_trainer_rank_other_than_0_only_iterates_its_source():
     assert yielded == [name for name, _ in odd_tensors()]  # it took part in the source's (collective) iteration
 
 
+def test_a_rendezvous_that_not_every_worker_joins_times_out_saying_how_many_did():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from vllm_serve import free_port
+
+    from targetpo.generation.gloo_transfer import JOINED_KEY, _TrainerRendezvous
+
+    port = free_port()
+    trainer_end = _TrainerRendezvous("127.0.0.1", port, 3, timeout_s=1)
+    worker = TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=10))
+    worker.set(f"{JOINED_KEY}/1", "1")  # worker 1 joins; worker 2 never comes
+    with pytest.raises(TimeoutError, match="Only 1 of the server's 2 workers joined .* within 1 s"):
+        trainer_end.group.result(timeout=10)
+
+
 def test_the_rendezvous_and_the_groups_connections_listen_on_the_address_given_only():
     """Not on every interface (a TCPStore given only a port listens on all): the group's sockets carry raw weights."""
     import threading

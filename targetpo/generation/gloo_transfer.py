@@ -222,8 +222,8 @@ class _TrainerRendezvous:
                 joined = sum(store.check([key]) for key in keys)
                 raise TimeoutError(
                     f"Only {joined} of the server's {len(keys)} workers joined the gloo weight transfer within "
-                    f"{self.timeout_s:g} s: check that the server reaches {self.address} and serves with "
-                    f'--weight-transfer-config \'{{"backend": "gloo"}}\'.'
+                    f"{self.timeout_s:g} s: check that the server reaches {self.address}, serves with "
+                    f'--weight-transfer-config \'{{"backend": "gloo"}}\' and has the same targetpo version.'
                 )
 
     def cancel(self) -> None:
