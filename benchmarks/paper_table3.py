@@ -213,19 +213,28 @@ class EvaluateExpectedError(TrainerCallback):
 
 
 class Checkpoints(TrainerCallback):
-    """Keeps the run's curves and training time beside each checkpoint, and, once ``deadline`` (a ``time.time()``)
-    has passed, saves a checkpoint at the end of the rollout and stops the run there."""
+    """Keeps the run's curves and its training and wall time beside each checkpoint, and, once ``deadline`` (a
+    ``time.time()``) has passed, saves a checkpoint at the end of the rollout and stops the run there.
 
-    def __init__(self, reward: RecordedReward, eval_curve: list, seconds_before: float, iterations: int,
-                 deadline: float | None, kept: dict):
+    The times add up over a resumed run's segments: each from the checkpoint it resumed, plus its own (the wall time
+    from ``wall_started``, a ``time.perf_counter()`` at the segment's start, model building included)."""
+
+    def __init__(self, reward: RecordedReward, eval_curve: list, progress: dict, wall_started: float,
+                 iterations: int, deadline: float | None, kept: dict):
         self.reward, self.eval_curve, self.iterations, self.deadline = reward, eval_curve, iterations, deadline
-        self.seconds_before, self.kept = seconds_before, kept
+        self.seconds_before, self.kept = progress.get("train_seconds", 0.0), kept
+        # A checkpoint from before wall time was kept counts its segments' training time instead.
+        self.wall_before = progress.get("wall_seconds", self.seconds_before)
+        self.wall_started = wall_started
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
 
     def train_seconds(self) -> float:
         return self.seconds_before + time.perf_counter() - self.started
+
+    def wall_seconds(self) -> float:
+        return self.wall_before + time.perf_counter() - self.wall_started
 
     def on_step_end(self, args, state, control, **kwargs):
         at_a_rollouts_end = state.global_step % self.iterations == 0 and state.global_step < state.max_steps
@@ -236,7 +245,7 @@ class Checkpoints(TrainerCallback):
         """The progress file is written last, whole (a rename), so it marks a complete checkpoint; only then are the
         older checkpoints removed: a process killed during a save leaves the previous one to resume from."""
         progress = {"errors": self.reward.errors, "eval_curve": self.eval_curve, "train_seconds": self.train_seconds(),
-                    **self.kept}
+                    "wall_seconds": self.wall_seconds(), **self.kept}
         saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         partial = saved / f"{PROGRESS}.partial"
         partial.write_text(json.dumps(progress))
@@ -324,8 +333,8 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
         settings = run_settings(method, length, group_size, args, output_dir=str(folder or f"{workdir}/trainer"))
         reward, eval_curve = RecordedReward(), [list(point) for point in progress.get("eval_curve", [])]
         reward.errors = list(progress.get("errors", []))
-        checkpoints = Checkpoints(reward, eval_curve, progress.get("train_seconds", 0.0), args.num_iterations,
-                                  args.deadline, kept_on_resume(args))
+        checkpoints = Checkpoints(reward, eval_curve, progress, started, args.num_iterations, args.deadline,
+                                  kept_on_resume(args))
         trainer = make_trainer(
             method,
             dict(settings, seed=seed),
@@ -350,7 +359,7 @@ def train_once(method: str, length: int, group_size: int, seed: int, args: argpa
         "eval_curve": [[step // args.num_iterations, error] for step, error in eval_curve],  # [rollout, expected]
         "train_seconds": round(train_seconds, 2),
         "seconds_per_step": round(train_seconds / args.steps, 4),
-        "wall_seconds": round(time.perf_counter() - started, 2),
+        "wall_seconds": round(checkpoints.wall_seconds(), 2),
         "resumed": bool(progress),
         "settings": {key: value for key, value in settings.items() if key != "output_dir"},
         "environment": environment(args.device),

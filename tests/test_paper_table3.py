@@ -121,6 +121,10 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
     # A newer checkpoint without its progress file (the process killed while saving it) is passed over.
     incomplete = progress.parent.with_name("checkpoint-999")
     shutil.copytree(progress.parent, incomplete, ignore=shutil.ignore_patterns(progress.name))
+    # A resumed run's times add up over its segments: the checkpoint's (made larger here, to tell them apart) and its own.
+    earlier = json.loads(saved)
+    progress.write_text(json.dumps(dict(earlier, train_seconds=earlier["train_seconds"] + 500,
+                                        wall_seconds=earlier["wall_seconds"] + 1000)))
     run_script(*interrupted)
     resumed = json.loads(resumed_output.read_text())["runs"]
     assert not any(checkpoints.iterdir())  # a finished run's checkpoints are removed
@@ -130,6 +134,9 @@ def test_smallest_configuration_end_to_end_appends_runs_and_reports_every_method
         assert stopped["resumed"] and not straight["resumed"]
         for field in ("curve", "eval_curve", "expected_error"):
             assert stopped[field] == straight[field], (straight["method"], field)
+        assert stopped["wall_seconds"] >= stopped["train_seconds"] > 0
+    tpo = resumed[methods.index("targetpo-tpo")]
+    assert tpo["wall_seconds"] - 1000 >= tpo["train_seconds"] - 500 > 0
 
     # Two runs at a time, each in a process of its own, appended to the same file.
     run_script(*small, "--seeds", "1", "--methods", "targetpo-tpo", "targetpo-grpo", "--jobs", "2")
