@@ -37,6 +37,17 @@ block-diagonal mask:
         --prompt_length 256 --completion_length 2048 --attn_implementation sdpa --rounds 6 \\
         --output docs/benchmarks/packed_pass_h100.json
 
+Training's micro-batches differ in their lengths, and a compiled attention (flex attention) can compile again for a
+new shape: ``--fresh_rows`` draws a new batch of the same spread every round. ``--head_kernel triton`` runs targetpo's
+variants with the Triton head (a GPU's default), and ``--profile packed packed_budget`` prints, after the rounds, the
+costliest operations of one pass of each named variant with its host and device time:
+
+    python benchmarks/packed_pass.py --device cuda --dtype bfloat16 --vocab_size 151936 --hidden_size 896 \\
+        --num_layers 24 --num_heads 14 --num_kv_heads 2 --intermediate_size 4864 --batch_size 16 \\
+        --prompt_length 256 --completion_length 2048 --attn_implementation flex_attention --rounds 5 --fresh_rows \\
+        --head_kernel triton --profile packed packed_budget \\
+        --output docs/benchmarks/packed_pass_h200_flex_fresh_triton_head.json
+
 A smoke run (seconds): ``python benchmarks/packed_pass.py --hidden_size 32 --num_layers 1 --vocab_size 256
 --batch_size 4 --prompt_length 8 --completion_length 16 --rounds 2``.
 """
@@ -85,6 +96,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_kv_heads", type=int, default=4)
     parser.add_argument("--intermediate_size", type=int, default=None, help="Default: 4 x hidden_size.")
     parser.add_argument("--chunk_size", type=int, default=512, help="targetpo's logps_chunk_size (0: whole logits).")
+    parser.add_argument(
+        "--head_kernel", choices=("torch", "triton"), default="torch",
+        help="targetpo's logps_head_kernel for its variants (triton: GPU only, with --chunk_size).",
+    )
     parser.add_argument("--attn_implementation", default="sdpa")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="The model's weights.")
@@ -97,6 +112,14 @@ def parse_args() -> argparse.Namespace:
         help="The budget variants' max_tokens_per_micro_batch (default: two longest sequences).",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fresh_rows", action="store_true",
+        help="Draw new lengths and tokens every round (as training's micro-batches differ), not one batch throughout.",
+    )
+    parser.add_argument(
+        "--profile", nargs="*", default=(), metavar="VARIANT",
+        help="After the rounds, profile one pass of each named variant and print its costliest operations.",
+    )
     parser.add_argument("--output", default=None)
     return parser.parse_args()
 
@@ -199,14 +222,16 @@ def targetpo_passes(args: argparse.Namespace) -> dict:
 
     chunk_size = args.chunk_size or None
 
+    head = {"head_kernel": args.head_kernel}
+
     def shared_prompts(model, *rows):
-        return shared_prompt_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size or 512)
+        return shared_prompt_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size or 512, **head)
 
     def padded(model, *rows):
-        return completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size)
+        return completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size, **head)
 
     def packed(model, *rows):
-        return packed_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size)
+        return packed_completion_logps(model, *rows, with_entropy=True, chunk_size=chunk_size, **head)
 
     budget = args.max_tokens
     return {
@@ -264,6 +289,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     prompt_lengths, completion_lengths = lengths(args, generator)
     rows = padded_rows(args, prompt_lengths, completion_lengths, generator)
+    batches = [(prompt_lengths, completion_lengths)]
     model = build_model(args)
     runs = targetpo_passes(args)
     if "trl" in args.variants:
@@ -274,12 +300,16 @@ def main() -> None:
     problem = model_packing_problem(model)
     if problem is not None:
         raise SystemExit(f"This model cannot be packed: {problem}.")
-    mask = rows[3].bool()
     seconds = {name: [] for name in runs}
     peaks = {}
     difference = {}
     reference = None
     for round_index in range(args.rounds):
+        if args.fresh_rows and round_index > 0:
+            prompt_lengths, completion_lengths = lengths(args, generator)
+            rows = padded_rows(args, prompt_lengths, completion_lengths, generator)
+            batches.append((prompt_lengths, completion_lengths))
+        mask = rows[3].bool()
         timings = []
         for name, run in runs.items():
             elapsed, logps, peaks[name] = timed(run, model, rows, args.device == "cuda")
@@ -291,6 +321,8 @@ def main() -> None:
                 if reference is not None:
                     difference[name] = float((logps[mask] - reference[mask]).abs().max())
         print(f"round {round_index + 1}{' (warm-up)' if round_index == 0 else ''}: {', '.join(timings)}", flush=True)
+    for name in args.profile:
+        profile(runs[name], model, rows, name, args.device == "cuda")
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     results = []
     for name, median in medians.items():
@@ -304,16 +336,9 @@ def main() -> None:
         if peaks.get(name) is not None:
             result["peak_memory_mib"] = round(peaks[name], 1)
         results.append(result)
-    read_tokens = sum(prompt_lengths) + sum(completion_lengths)
-    padded_tokens = len(prompt_lengths) * (max(prompt_lengths) + max(completion_lengths))
     setting = {key: value for key, value in vars(args).items() if key not in ("output", "variants")}
-    setting["tokens"] = {
-        "read": read_tokens,
-        "padded": padded_tokens,
-        "padding_fraction": round(1 - read_tokens / padded_tokens, 3),
-        "completion_lengths": completion_lengths,
-        "prompt_lengths": prompt_lengths,
-    }
+    tokens = [token_counts(*batch) for batch in batches]
+    setting["tokens"] = tokens if args.fresh_rows else tokens[0]
     setting["environment"] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
@@ -326,6 +351,30 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as handle:
             json.dump(report, handle, indent=2)
+
+
+def token_counts(prompt_lengths: list[int], completion_lengths: list[int]) -> dict:
+    read = sum(prompt_lengths) + sum(completion_lengths)
+    padded = len(prompt_lengths) * (max(prompt_lengths) + max(completion_lengths))
+    return {
+        "read": read,
+        "padded": padded,
+        "padding_fraction": round(1 - read / padded, 3),
+        "completion_lengths": completion_lengths,
+        "prompt_lengths": prompt_lengths,
+    }
+
+
+def profile(run, model, rows, name: str, on_gpu: bool) -> None:
+    """One pass of ``run`` under torch's profiler: its costliest operations by their own time on the device."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profiler(activities=activities) as recorded:
+        timed(run, model, rows, on_gpu)
+    sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    print(f"profile of one {name} pass:\n{recorded.key_averages().table(sort_by=sort_by, row_limit=15)}", flush=True)
 
 
 def _version(package: str) -> str | None:
