@@ -12,6 +12,14 @@ to stand for a smaller card on a larger one.
 
     python benchmarks/large_group.py --device cuda --num_generations 16 --completion_length 4096 \
         --micro_batches 2 16 --output docs/benchmarks/large_group_h200_4096.json
+
+``--spread uniform`` draws each completion's length evenly from ``--min_completion_length`` to
+``--completion_length`` (the shorter ones end in EOS), as long rollouts spread; ``--padding_free`` packs each pass's
+rows, under the model's ``--attn_implementation``:
+
+    python benchmarks/large_group.py --device cuda --num_generations 16 --completion_length 8192 --spread uniform \
+        --micro_batches 16 2 --padding_free --attn_implementation flex_attention \
+        --output docs/benchmarks/large_group_h200_8192_uniform_packed_flex.json
 """
 
 from __future__ import annotations
@@ -42,7 +50,15 @@ from step_time import (
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_generations", type=int, default=16)
-    parser.add_argument("--completion_length", type=int, default=4096)
+    parser.add_argument("--completion_length", type=int, default=4096, help="Every completion's length, or the longest.")
+    parser.add_argument(
+        "--spread",
+        choices=("fixed", "uniform"),
+        default="fixed",
+        help="fixed: every completion --completion_length tokens; uniform: lengths drawn evenly from "
+        "--min_completion_length to --completion_length, the shorter ones ending in EOS.",
+    )
+    parser.add_argument("--min_completion_length", type=int, default=16)
     parser.add_argument("--prompt_length", type=int, default=64)
     parser.add_argument(
         "--micro_batches",
@@ -63,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--logps_head_kernel", choices=("auto", "torch", "triton"), default="auto")
+    parser.add_argument("--attn_implementation", default="sdpa")
+    parser.add_argument("--padding_free", action="store_true", help="Pack each pass's rows into one row.")
     parser.add_argument("--memory_gib", type=float, default=None, help="Cap on the process's GPU memory.")
     add_qwen2_shape_arguments(parser)
     parser.add_argument("--output", default=None)
@@ -70,15 +88,21 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def random_completions(vocab_size: int, length: int, seed: int):
-    """A ``rollout_func``: each prompt's ids and ``length`` random non-special tokens as its completion."""
+def random_completions(args: argparse.Namespace, eos_token_id: int, seed: int):
+    """A ``rollout_func``: each prompt's ids and random non-special tokens as its completion, of
+    ``--completion_length`` tokens or (``--spread uniform``) of a length drawn up to it, ending in EOS if shorter."""
     rng = random.Random(seed)
+    longest = args.completion_length
+
+    def completion() -> list[int]:
+        length = longest if args.spread == "fixed" else rng.randint(args.min_completion_length, longest)
+        tokens = [rng.randrange(3, args.vocab_size) for _ in range(length)]
+        return tokens if length == longest else [*tokens[:-1], eos_token_id]
 
     def rollout(prompts, trainer):
         # The prompts are words "t<id>" of the word-level tokenizer: their ids are read off directly.
         prompt_ids = [[int(word[1:]) for word in prompt.split()] for prompt in prompts]
-        completion_ids = [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in prompts]
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+        return {"prompt_ids": prompt_ids, "completion_ids": [completion() for _ in prompts]}
 
     return rollout
 
@@ -103,6 +127,7 @@ def one_run(args: argparse.Namespace, micro_batch: int) -> dict:
         max_completion_length=args.completion_length,
         gradient_checkpointing=args.gradient_checkpointing,
         logps_head_kernel=args.logps_head_kernel,
+        padding_free=args.padding_free,
         bf16=args.dtype == "bfloat16",
         use_cpu=not on_gpu,
         learning_rate=1e-5,
@@ -120,7 +145,7 @@ def one_run(args: argparse.Namespace, micro_batch: int) -> dict:
         args=config,
         train_dataset=random_prompts_dataset(args.vocab_size, args.prompt_length, num_prompts=64, seed=0),
         processing_class=tokenizer,
-        rollout_func=random_completions(args.vocab_size, args.completion_length, seed=0),
+        rollout_func=random_completions(args, tokenizer.eos_token_id, seed=0),
         callbacks=[timer],
     )
     if on_gpu:

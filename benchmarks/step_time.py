@@ -183,6 +183,7 @@ def build_qwen2(args: argparse.Namespace, tokenizer):
         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
         max_position_embeddings=args.prompt_length + args.completion_length, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        attn_implementation=getattr(args, "attn_implementation", None),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
