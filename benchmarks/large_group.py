@@ -1,8 +1,9 @@
-"""A group larger than a micro-batch: K completions of a fixed long length, trained in micro-batches of a few rows
-spread over the micro-steps of one optimiser step, against the whole group in one micro-batch.
+"""A group larger than a micro-batch: K long completions, trained in micro-batches of a few rows spread over the
+micro-steps of one optimiser step, against the whole group in one micro-batch.
 
-The training pass is what is measured, so the rollout is a ``rollout_func`` that returns random completions of
-exactly ``--completion_length`` tokens (no EOS) at once: generating thousands of tokens with ``model.generate``
+The training pass is what is measured, so the rollout is a ``rollout_func`` that returns random completions at once,
+of exactly ``--completion_length`` tokens (no EOS: truncated, which the default ``mask_truncated_completions=False``
+trains on) or, with ``--spread uniform``, of lengths drawn up to it (below it they end in EOS): generating thousands of tokens with ``model.generate``
 would take minutes per step and says nothing about memory. The model is the Qwen2-shaped one of ``step_time.py``
 (random weights, a 151,936-token vocabulary) with the dense reward of that script, so no completion's gradient is
 zero. Each variant runs in a process of its own (an out-of-memory error leaves the allocator unusable), trains
@@ -170,6 +171,8 @@ def main() -> None:
     if args.one_run is not None:
         print(json.dumps(one_run(args, args.one_run)))
         return
+    if args.spread == "uniform" and not 1 <= args.min_completion_length <= args.completion_length:
+        raise SystemExit(f"--min_completion_length {args.min_completion_length}: from 1 to --completion_length.")
     for micro_batch in args.micro_batches:
         if args.num_generations % micro_batch:
             raise SystemExit(f"--micro_batches: {micro_batch} does not divide --num_generations {args.num_generations}")

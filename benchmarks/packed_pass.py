@@ -113,12 +113,19 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--fresh_rows", action="store_true",
-        help="Draw new lengths and tokens every round (as training's micro-batches differ), not one batch throughout.",
+        "--fresh_rows",
+        action="store_true",
+        help="Draw new lengths and tokens every round (as training's micro-batches differ), not one batch throughout; "
+        "row 0 still reaches the longest prompt and completion, so the padded width stays.",
     )
     parser.add_argument(
-        "--profile", nargs="*", default=(), metavar="VARIANT",
-        help="After the rounds, profile one pass of each named variant and print its costliest operations.",
+        "--profile",
+        nargs="*",
+        default=(),
+        choices=(*VARIANTS, *OPTIONAL_VARIANTS),
+        metavar="VARIANT",
+        help="After the rounds, profile one pass of each named variant (among --variants) and print its costliest "
+        "operations.",
     )
     parser.add_argument("--output", default=None)
     return parser.parse_args()
@@ -283,6 +290,10 @@ def timed(run, model, rows, synchronize: bool) -> tuple[float, torch.Tensor, flo
 
 def main() -> None:
     args = parse_args()
+    if set(args.profile) - set(args.variants):
+        raise SystemExit(f"--profile {sorted(set(args.profile) - set(args.variants))}: not among --variants.")
+    if args.head_kernel == "triton" and not args.chunk_size:
+        raise SystemExit("--head_kernel triton computes the chunked head: set --chunk_size above 0.")
     args.max_tokens = args.max_tokens or 2 * (args.prompt_length + args.completion_length)
     from targetpo.modeling.packing import model_packing_problem
 
@@ -297,13 +308,14 @@ def main() -> None:
         if trl_run is not None:
             runs["trl"] = trl_run
     runs = {name: run for name, run in runs.items() if name in args.variants}
+    if set(args.profile) - set(runs):  # trl named but not installed
+        raise SystemExit(f"--profile {sorted(set(args.profile) - set(runs))}: that variant cannot run here.")
     problem = model_packing_problem(model)
     if problem is not None:
         raise SystemExit(f"This model cannot be packed: {problem}.")
     seconds = {name: [] for name in runs}
     peaks = {}
     difference = {}
-    reference = None
     for round_index in range(args.rounds):
         if args.fresh_rows and round_index > 0:
             prompt_lengths, completion_lengths = lengths(args, generator)
@@ -311,15 +323,19 @@ def main() -> None:
             batches.append((prompt_lengths, completion_lengths))
         mask = rows[3].bool()
         timings = []
+        reference = None
         for name, run in runs.items():
-            elapsed, logps, peaks[name] = timed(run, model, rows, args.device == "cuda")
+            elapsed, logps, peak = timed(run, model, rows, args.device == "cuda")
             timings.append(f"{name} {1000 * elapsed:.1f} ms")
             if round_index > 0 or args.rounds == 1:
                 seconds[name].append(elapsed)
-            if round_index == 0:  # the same log-probs, up to rounding
+            if peak is not None:  # the largest over the rounds' batches
+                peaks[name] = max(peak, peaks.get(name, 0.0))
+            if round_index == 0 or args.fresh_rows:  # the same log-probs as the padded pass, up to rounding
                 reference = logps if name == "padded" else reference
                 if reference is not None:
-                    difference[name] = float((logps[mask] - reference[mask]).abs().max())
+                    gap = float((logps[mask] - reference[mask]).abs().max())
+                    difference[name] = max(gap, difference.get(name, 0.0))
         print(f"round {round_index + 1}{' (warm-up)' if round_index == 0 else ''}: {', '.join(timings)}", flush=True)
     for name in args.profile:
         profile(runs[name], model, rows, name, args.device == "cuda")
@@ -333,7 +349,7 @@ def main() -> None:
             result["ratio_to_trl"] = round(median / medians["trl"], 3)
         if name in difference:
             result["max_abs_logp_difference_to_padded"] = difference[name]
-        if peaks.get(name) is not None:
+        if name in peaks:
             result["peak_memory_mib"] = round(peaks[name], 1)
         results.append(result)
     setting = {key: value for key, value in vars(args).items() if key not in ("output", "variants")}
