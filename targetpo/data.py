@@ -236,6 +236,7 @@ class RolloutRows(torch.utils.data.Dataset):
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
+        self._first_use_rows: dict[int, dict[str, Any]] = {}  # the current rollout's rows, as its first use read them
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -244,12 +245,22 @@ class RolloutRows(torch.utils.data.Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[tuple[int, ...]]) -> list[dict[str, Any]]:
-        """The rows of a batch of keys, read from the dataset in one go: every micro-step reads its rollout's rows
-        (a Dataset reads a batch of rows in about the time of one). Each row is a fresh copy, as a read of one is:
-        a rollout's repeats of a prompt share nothing that one sample's rollout could change for another."""
+        """The rows of a batch of keys, read from the dataset in one go (a Dataset reads a batch of rows in about the
+        time of one). Each row read is a fresh copy, as a read of one is: a rollout's repeats of a prompt share
+        nothing that one sample's rollout could change for another.
+
+        Every micro-step of a rollout gets its rows, but only the first use makes the rollout from them (later ones
+        take their step batch from the rollout buffer, except where a resumed run begins mid-rollout): a later use
+        is given the rows its rollout's first use read here, where this reader read them (one process without
+        dataloader workers, the default), and reads them otherwise. So a dataset of images is decoded once a
+        rollout, not once a micro-step."""
+        kept = [key[1] > 0 and key[0] in self._first_use_rows for key in keys]
         upcoming = [key[2] for key in keys if len(key) > 2 and key[2] >= 0]
-        read = iter(_read_rows(self.dataset, [key[0] for key in keys] + upcoming))
-        rows = [_tagged(next(read), key[1]) for key in keys]
+        read = iter(_read_rows(self.dataset, [key[0] for key, hit in zip(keys, kept) if not hit] + upcoming))
+        untagged = [self._first_use_rows[key[0]] if hit else next(read) for key, hit in zip(keys, kept)]
+        if keys and keys[0][1] == 0:  # a new rollout's first use
+            self._first_use_rows = {key[0]: row for key, row in zip(keys, untagged)}
+        rows = [_tagged(row, key[1]) for row, key in zip(untagged, keys)]
         for row, key in zip(rows, keys):
             if len(key) > 2:
                 row[ROW_INDEX] = key[0]

@@ -6,10 +6,11 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import count_letters_reward
+from conftest import count_letters_reward, make_config
 from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForSequenceClassification
 
+from targetpo import TargetPOTrainer
 from targetpo.data import (
     ROLLOUT_USE,
     RepeatSampler,
@@ -173,6 +174,48 @@ def test_rows_are_read_from_datasets_that_read_batches_as_rows_or_as_columns():
     assert [(row["prompt"], row[ROLLOUT_USE]) for row in rows] == [("c", 0), ("a", 0), ("d", 1)]
     listed = RolloutRows(Dataset.from_dict({"prompt": prompts})).__getitems__(keys)
     assert [row["prompt"] for row in listed] == ["c", "a", "d"]
+
+
+def test_a_rollouts_later_uses_are_given_the_rows_its_first_use_read(tmp_path, tiny_model, tokenizer):
+    """Only a rollout's first use makes the rollout from its rows: with two micro-steps and two iterations (four uses
+    of each rollout), the dataset's rows are read (here: built by a transform, as an image would be decoded) once a
+    rollout, and the later uses are given the same rows, tagged with their use."""
+    built = []
+
+    def to_prompt(batch):
+        built.extend(batch["question"])
+        return {"prompt": [question + ":" for question in batch["question"]]}
+
+    questions = ["Say cat", "Say dog", "Say cow", "Say pig"]
+    data = Dataset.from_dict({"question": questions})
+    data.set_transform(to_prompt)
+    served = []
+    args = make_config(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, num_iterations=2, max_steps=8)
+    trainer = TargetPOTrainer(
+        tiny_model, count_letters_reward, args=args, train_dataset=data, processing_class=tokenizer
+    )
+    original = trainer._prepare_inputs
+
+    def recording(rows):
+        served.append([(row["prompt"], row[ROLLOUT_USE]) for row in rows])
+        return original(rows)
+
+    trainer._prepare_inputs = recording
+    built.clear()  # what the trainer read when it checked the dataset
+    trainer.train()
+    # One epoch: 2 rollouts of 2 prompts x 4 completions, each served to 4 micro-steps.
+    assert len(served) == 8 and [batch[0][1] for batch in served] == [0, 1, 2, 3] * 2
+    assert sorted(built) == sorted(questions * 4)  # 2 rollouts of 8 rows, each row read once
+    for first, later in ((served[0], served[1:4]), (served[4], served[5:8])):
+        assert all([prompt for prompt, _ in batch] == [prompt for prompt, _ in first] for batch in later)
+
+    # Without a first use read by the same reader (a resumed run, a dataloader worker), a later use reads its rows.
+    rows = RolloutRows(data)
+    built.clear()
+    assert [row["prompt"] for row in rows.__getitems__([(2, 1), (2, 1)])] == ["Say cow:"] * 2 and len(built) == 2
+    rows.__getitems__([(0, 0), (1, 0)])
+    assert [row["prompt"] for row in rows.__getitems__([(1, 2), (0, 2)])] == ["Say dog:", "Say cat:"]
+    assert len(built) == 4  # the first use's two reads only
 
 
 def test_render_prompts(tokenizer):
