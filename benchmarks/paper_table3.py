@@ -461,14 +461,18 @@ def markdown_table(rows: list[dict]) -> str:
         paper = "—" if row["paper"] is None else f"{row['paper']:g}"
         lines.append(
             f"| {row['method']} | {row['H']} | {row['K']} | {row['B']} | {row['steps']} | {row['seeds']} "
-            f"| {row['final_error']:.1f} ± {row['final_error_se']:.1f} [{low:.1f}, {high:.1f}] "
-            f"| {row['expected_error']:.1f} ± {row['expected_error_se']:.1f} "
-            f"| {row['late_error']:.1f} ± {row['late_error_se']:.1f} | {paper} | {row['seconds_per_step']:.2f} |"
+            f"| {_mean_text(row, 'final_error')} [{low:.1f}, {high:.1f}] | {_mean_text(row, 'expected_error')} "
+            f"| {_mean_text(row, 'late_error')} | {paper} | {row['seconds_per_step']:.2f} |"
         )
     lines.append("")
-    lines.append("Means over seeds ± standard error. The paper's value is its error at the last step, 20 seeds "
+    lines.append("Means over seeds ± standard error (none for one seed). The paper's value is its error at the last step, 20 seeds "
                  "(Table 3) or 30 (the K sweep), where its H, K and B match.")
     return "\n".join(lines)
+
+
+def _mean_text(row: dict, name: str) -> str:
+    """A summary row's mean of ``name`` with its standard error, which one seed does not have."""
+    return f"{row[name]:.1f}" + (f" ± {row[name + '_se']:.1f}" if row["seeds"] > 1 else "")
 
 
 def views(rows: list[dict]) -> dict[str, list[dict]]:
@@ -498,6 +502,10 @@ def plot(rows: list[dict], by: str, path: Path) -> None:
         axis.errorbar([row[by] for row in line], [row["final_error"] for row in line],
                       yerr=[row["final_error_se"] for row in line], color=colours[method], marker="o", capsize=3,
                       label=f"{method} ({other}={fixed}, B={batch}, {steps} steps)")
+        for row in line:  # a mean of few seeds, as it stands while a sweep runs, is marked as such
+            if row["seeds"] < 3:
+                axis.annotate(f"{row['seeds']} seed{'s' if row['seeds'] > 1 else ''}", (row[by], row["final_error"]),
+                              textcoords="offset points", xytext=(6, 4), fontsize=7, color=colours[method])
     paper = PAPER_BY_LENGTH if by == "H" else PAPER_BY_GROUP_SIZE
     setting = "K = 8, B = 100" if by == "H" else "H = 8, B = 256"
     for name, colour in (("TPO", "tab:blue"), ("GRPO", "tab:orange")):
