@@ -3,8 +3,8 @@ micro-steps of one optimiser step, against the whole group in one micro-batch.
 
 The training pass is what is measured, so the rollout is a ``rollout_func`` that returns random completions at once,
 of exactly ``--completion_length`` tokens (no EOS: truncated, which the default ``mask_truncated_completions=False``
-trains on) or, with ``--spread uniform``, of lengths drawn up to it (below it they end in EOS): generating thousands of tokens with ``model.generate``
-would take minutes per step and says nothing about memory. The model is the Qwen2-shaped one of ``step_time.py``
+trains on) or, with ``--spread uniform``, of lengths drawn up to it (below it they end in EOS): generating thousands
+of tokens with ``model.generate`` would take minutes per step and says nothing about memory. The model is the Qwen2-shaped one of ``step_time.py``
 (random weights, a 151,936-token vocabulary) with the dense reward of that script, so no completion's gradient is
 zero. Each variant runs in a process of its own (an out-of-memory error leaves the allocator unusable), trains
 ``--steps`` optimiser steps of one rollout each, and reports the peak GPU memory and the seconds of the steps after

@@ -465,8 +465,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_mean_text(row, 'late_error')} | {paper} | {row['seconds_per_step']:.2f} |"
         )
     lines.append("")
-    lines.append("Means over seeds ± standard error (none for one seed). The paper's value is its error at the last step, 20 seeds "
-                 "(Table 3) or 30 (the K sweep), where its H, K and B match.")
+    lines.append("Means over seeds ± standard error (none for one seed). The paper's value is its error at the last "
+                 "step, 20 seeds (Table 3) or 30 (the K sweep), where its H, K and B match.")
     return "\n".join(lines)
 
 
