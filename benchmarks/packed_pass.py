@@ -297,10 +297,8 @@ def main() -> None:
     args.max_tokens = args.max_tokens or 2 * (args.prompt_length + args.completion_length)
     from targetpo.modeling.packing import model_packing_problem
 
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt_lengths, completion_lengths = lengths(args, generator)
-    rows = padded_rows(args, prompt_lengths, completion_lengths, generator)
-    batches = [(prompt_lengths, completion_lengths)]
+    generator = torch.Generator().manual_seed(args.seed)  # the rows' own stream: the model's is apart from it
+    batches = []
     model = build_model(args)
     runs = targetpo_passes(args)
     if "trl" in args.variants:
@@ -317,7 +315,7 @@ def main() -> None:
     peaks = {}
     difference = {}
     for round_index in range(args.rounds):
-        if args.fresh_rows and round_index > 0:
+        if round_index == 0 or args.fresh_rows:
             prompt_lengths, completion_lengths = lengths(args, generator)
             rows = padded_rows(args, prompt_lengths, completion_lengths, generator)
             batches.append((prompt_lengths, completion_lengths))
@@ -370,6 +368,7 @@ def main() -> None:
 
 
 def token_counts(prompt_lengths: list[int], completion_lengths: list[int]) -> dict:
+    """A batch's tokens read and padded, and its lengths."""
     read = sum(prompt_lengths) + sum(completion_lengths)
     padded = len(prompt_lengths) * (max(prompt_lengths) + max(completion_lengths))
     return {
