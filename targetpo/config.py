@@ -373,8 +373,8 @@ class GRPOConfig(TrainingArguments):
             "padding every pass to the longest. The passes without gradient (old, reference log-probs) are cut the "
             "same way. Must hold one sequence of max_prompt_length + max_completion_length tokens. TPO keeps each "
             "prompt group in one pass when num_generations such sequences fit, and otherwise trains its groups "
-            "across passes from their softmax computed ahead (one more pass without gradient per rollout, and per "
-            "optimiser step once the weights moved). Not with DeepSpeed, FSDP, top_entropy_quantile < 1, "
+            "across passes from their softmax computed ahead (one more pass without gradient per rollout, and, once the "
+            "weights moved, one over each micro-step's rows before it trains them). Not with DeepSpeed, FSDP, top_entropy_quantile < 1, "
             "optimisers that step inside backward (LOMO, layer-wise GaLore), nor the entropy bonus together with "
             "off_policy_mask_threshold. None: one pass per micro-step."
         },
@@ -384,12 +384,13 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "What computes a chunked plain linear output head's token log-probs and entropies from its "
             "logits: 'torch' (float32 logits, a written-out backward pass), 'triton' (fused Triton kernels that "
-            "read the logits in the head's dtype, bf16 staying bf16, with float32 arithmetic, in the forward and "
-            "backward passes; needs a GPU), or 'auto' (the default): 'triton' on an NVIDIA GPU of compute "
-            "capability 8.0 or above where Triton is installed, its kernels run and they apply, 'torch' everywhere "
-            "else, without a warning (but for kernels that fail to run on such a GPU). Where an explicit "
+            "read the logits in the dtype the head computes them in, bf16 staying bf16 (bf16 weights, or bf16=True "
+            "autocast over float32 weights), with float32 arithmetic, in the forward and backward passes; needs a "
+            "GPU), or 'auto' (the default): 'triton' on an NVIDIA GPU of compute capability 8.0 or above where "
+            "Triton is installed, its kernels run and they apply, 'torch' everywhere else, without a warning (but "
+            "for kernels that fail to run on such a GPU). Where an explicit "
             "'triton' cannot apply (logps_chunk_size=0, sharded weights, an adapted, quantised, hooked or "
-            "post-processed head) a warning says so and torch computes the head.",
+            "post-processed head, also one hooked after set-up) a warning says so and torch computes the head.",
             "choices": LOGPS_HEAD_KERNELS,
         },
     )

@@ -246,14 +246,15 @@ class RolloutRows(torch.utils.data.Dataset):
 
     def __getitems__(self, keys: list[tuple[int, ...]]) -> list[dict[str, Any]]:
         """The rows of a batch of keys, read from the dataset in one go (a Dataset reads a batch of rows in about the
-        time of one). Each row read is a fresh copy, as a read of one is: a rollout's repeats of a prompt share
+        time of one). A first use's rows are fresh copies, as a read of one is: a rollout's repeats of a prompt share
         nothing that one sample's rollout could change for another.
 
         Every micro-step of a rollout gets its rows, but only the first use makes the rollout from them (later ones
         take their step batch from the rollout buffer, except where a resumed run begins mid-rollout): a later use
-        is given the rows its rollout's first use read here, where this reader read them (one process without
-        dataloader workers, the default), and reads them otherwise. So a dataset of images is decoded once a
-        rollout, not once a micro-step."""
+        is given, for each dataset index, the row this reader kept from the last first use it read (one process
+        without dataloader workers, the default: its own rollout's), and reads the others. A kept row is the same
+        dataset row, shared by the later use's repeats of it, which make no rollout. So a dataset of images is decoded
+        once a rollout, not once a micro-step."""
         kept = [key[1] > 0 and key[0] in self._first_use_rows for key in keys]
         upcoming = [key[2] for key in keys if len(key) > 2 and key[2] >= 0]
         read = iter(_read_rows(self.dataset, [key[0] for key, hit in zip(keys, kept) if not hit] + upcoming))

@@ -683,6 +683,8 @@ class TargetPOTrainer(Trainer):
         steps = self.args.torch_empty_cache_steps
         if steps is not None and self.state.global_step % steps == 0:
             clear_device_cache()
+            if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+                torch.mps.clear_graph_cache()
         return loss
 
     def _train_in_passes(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:

@@ -125,6 +125,20 @@ def test_where_the_triton_head_cannot_apply_a_warning_says_why_and_torch_compute
     assert "is a Float32OutputHead, not a plain torch.nn.Linear" in triton_head_problem(tiny_model)
 
 
+def test_a_head_that_changes_after_set_up_is_computed_by_torch_with_a_warning(tiny_model):
+    from targetpo.modeling.logps import _head_in_chunks
+
+    assert logps_settings(tiny_model).head_kernel == "triton"  # plain at set-up
+    head = tiny_model.get_output_embeddings()
+    hidden = torch.randn(6, head.in_features, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([1, 4, 2, 7, 3, 5])
+    expected, _ = _head_in_chunks(head, hidden, tokens, 0.7, None, 4, False, head_kernel="torch")
+    head.register_forward_hook(lambda module, args, output: None)  # hooked later, as a debugging tool would
+    with pytest.warns(UserWarning, match="logps_head_kernel='triton': torch computes .* changed after .* has hooks"):
+        logps, _ = _head_in_chunks(head, hidden, tokens, 0.7, None, 4, False, head_kernel="triton")
+    torch.testing.assert_close(logps, expected, rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
 def test_an_adapted_head_is_no_plain_linear_head(tiny_model):
     from peft import LoraConfig, get_peft_model

@@ -14,6 +14,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -187,6 +188,15 @@ def _head_logps_and_entropy(
     return logps, entropy
 
 
+def _head_change(head: nn.Module, hidden_rows: torch.Tensor) -> str:
+    """What keeps a head that was plain at set-up from the Triton kernels now."""
+    if not _is_plain_linear_head(head):
+        return "it has hooks or a replaced forward, or is no plain torch.nn.Linear"
+    if head.weight.device != hidden_rows.device:
+        return f"its weight is on {head.weight.device}, the hidden states on {hidden_rows.device}"
+    return f"its weights are {head.weight.dtype}, which the kernels would round to float32"
+
+
 def _is_plain_linear_head(head: nn.Module) -> bool:
     """Whether ``head`` is an ``nn.Linear`` whose weight is all here, with nothing hooked into its forward pass.
 
@@ -333,6 +343,12 @@ def _head_in_chunks(
     in_triton = head_kernel == "triton" and plain and weight.dtype in HEAD_DTYPES
     if in_triton:
         from .triton_head import linear_head_logps  # imports Triton
+    elif head_kernel == "triton":  # the head was plain at set-up (else torch was chosen there, with a warning)
+        warnings.warn(
+            "logps_head_kernel='triton': torch computes the output head because it changed after the trainer was set "
+            f"up: {_head_change(head, hidden_rows)}. The same log-probs, in more time and memory.",
+            stacklevel=2,
+        )
     fused = training and plain
     suppressed_token_ids = _nonempty(suppressed_token_ids)
     head_weight, head_bias = weight, getattr(head, "bias", None)
