@@ -290,9 +290,13 @@ class AsyncRunner:
                 self._thread.start()
 
         async def gather() -> list[Any]:
-            return await asyncio.gather(*awaitables, return_exceptions=True)
+            return await asyncio.gather(*map(_returning_errors, awaitables), return_exceptions=True)
 
-        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+        results = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+        interrupted = next((result.error for result in results if isinstance(result, _Interrupted)), None)
+        if interrupted is not None:  # a SystemExit or KeyboardInterrupt ends the run, as in the training process
+            raise interrupted
+        return results
 
     def run_sample_calls(
         self, samples: Sequence[Sequence[tuple[int, str, Callable[[], Any]]]], limits: ToolCallLimits
@@ -349,11 +353,14 @@ class _Interrupted(Exception):
 
 
 async def _returning_errors(awaitable: Any) -> Any:
-    """The awaitable's result, or the exception it raised as a value."""
+    """The awaitable's result, or the exception it raised as a value (a SystemExit or KeyboardInterrupt carried as
+    ``_Interrupted``: raised on the loop, either would stop the loop's thread and leave its caller waiting forever)."""
     try:
         return await awaitable
     except Exception as error:
         return error
+    except (SystemExit, KeyboardInterrupt) as error:
+        return _Interrupted(error)
 
 
 def _in_thread(invoke: Callable[[], Any]) -> asyncio.Future:

@@ -189,8 +189,9 @@ def test_a_call_past_tool_call_timeout_is_answered_with_an_error_and_the_turn_go
     assert rollout.tool_failures == [1, 1, 0] and rollout.turns == [2, 2, 2]  # every sample went on to its answer
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("limits", [ToolCallLimits(), ToolCallLimits(timeout=30), ToolCallLimits(concurrency=2)])
-def test_a_system_exit_in_a_tool_ends_the_run_wherever_the_tool_runs(limits):
+def test_a_system_exit_in_a_tool_ends_the_run_wherever_the_tool_runs(limits, asynchronous):
     def leave(text: str) -> str:
         """Leave.
 
@@ -199,9 +200,29 @@ def test_a_system_exit_in_a_tool_ends_the_run_wherever_the_tool_runs(limits):
         """
         raise SystemExit(3)
 
-    turns = {"leave": [call("leave", text="x"), "gone"], "sum": [call("add", a=2, b=3), "five"]}
-    with pytest.raises(SystemExit):
-        run_loop(hermes_tokenizer(), [add, leave], turns, [user(key) for key in turns], limits=limits)
+    async def leave_async(text: str) -> str:
+        """Leave.
+
+        Args:
+            text: anything.
+        """
+        raise SystemExit(3)
+
+    leaving = leave_async if asynchronous else leave
+    turns = {"leave": [call(leaving.__name__, text="x"), "gone"], "sum": [call("add", a=2, b=3), "five"]}
+    ended = []
+
+    def play() -> None:  # on a thread of its own: a run that waits forever for the tool fails the test instead
+        try:
+            run_loop(hermes_tokenizer(), [add, leaving], turns, [user(key) for key in turns], limits=limits)
+        except BaseException as error:
+            ended.append(error)
+
+    player = threading.Thread(target=play, daemon=True)
+    player.start()
+    player.join(timeout=60)
+    assert not player.is_alive(), "the run waits forever for a tool that raised SystemExit"
+    assert len(ended) == 1 and isinstance(ended[0], SystemExit) and ended[0].code == 3
 
 
 @pytest.mark.parametrize("concurrency", [1, 2])
