@@ -54,6 +54,7 @@ class _Sample:
     tool_calls: int = 0
     tool_failures: int = 0
     turns: int = 0
+    turn_start: int | None = None  # where in ``ids`` the model's turn under way began (None: between turns)
     done: bool = False
     truncated: bool = False
 
@@ -79,7 +80,10 @@ class ToolLoop:
     prompts with images, or a vision-language policy whose tools may return images) gives the images of the samples
     a turn continues, with their inputs over those contexts. With ``processor`` (a vision-language policy's) tool
     results may hold images: a tool turn's images are encoded by it, their placeholders expanded in the sample's
-    tokens, and every later turn is generated with them.
+    tokens, and every later turn is generated with them. ``max_positions`` (the model's, None: no limit): no row of
+    a turn is generated past them. The rows are left-padded together, so every row's positions run on for as many
+    tokens as the turn's budget (the most room any sample has left): when the longest context would pass the limit,
+    the budget is lowered, and a sample with more room than that writes the rest of its turn in the next call.
     """
 
     def __init__(
@@ -92,8 +96,10 @@ class ToolLoop:
         runner: AsyncRunner | None = None,
         limits: ToolCallLimits = ToolCallLimits(),
         processor: Any = None,
+        max_positions: int | None = None,
     ):
         self.template = template
+        self.max_positions = max_positions
         self.processor = processor
         self.limits = limits  # per-call timeout, sync calls side by side
         self.tokenizer = template.tokenizer
@@ -152,6 +158,8 @@ class ToolLoop:
             rows = active or [0]
             budget = max(self.max_completion_length - len(samples[index].ids) for index in rows) if active else 1
             contexts = [samples[index].context for index in rows]
+            if self.max_positions is not None:  # at least a token: a prompt limit fitted to the model leaves room
+                budget = max(1, min(budget, self.max_positions - max(len(context) for context in contexts)))
             ids, mask = left_pad(contexts, self.pad_token_id, device)
             # Every turn is generated with the sample's images so far (its prompt's, its tool results'), their inputs
             # over the context.
@@ -168,14 +176,18 @@ class ToolLoop:
             for row, index in enumerate(active):
                 sample = samples[index]
                 length = int(generated.attention_mask[row].sum())
-                turn = generated.ids[row, :length].tolist()[: self.max_completion_length - len(sample.ids)]
+                room = self.max_completion_length - len(sample.ids)
+                turn = generated.ids[row, :length].tolist()[:room]
                 logps = generated.sampler_logps[row, : len(turn)].tolist() if has_logps else [0.0] * len(turn)
                 if generated.weight_versions is not None:
                     version = int(generated.weight_versions[row])
                     sample.oldest_version = (
                         version if sample.oldest_version is None else min(sample.oldest_version, version)
                     )
-                malformed = self._add_turn(sample, turn, logps, toolboxes[index].schemas)
+                self._extend_turn(sample, turn, logps)
+                if len(turn) == budget < room and turn[-1] not in self.eos_token_ids:
+                    continue  # cut by the budget the model's positions left this call, not by its own room: it goes on
+                malformed = self._end_turn(sample, toolboxes[index].schemas)
                 if sample.done:
                     continue
                 if malformed is not None:
@@ -185,21 +197,26 @@ class ToolLoop:
             self._answer_calls(samples, requests)
         return has_logps, has_versions
 
-    def _add_turn(
-        self, sample: _Sample, turn: list[int], logps: list[float], schemas: list[dict[str, Any]]
-    ) -> str | None:
-        """Append the model's turn and mark the sample done unless it calls tools it may still call. Returns the
-        error of a call that could not be read, which is answered like a failed call. ``schemas``: the sample's tools,
-        which its calls are read against."""
+    @staticmethod
+    def _extend_turn(sample: _Sample, tokens: list[int], logps: list[float]) -> None:
+        """Append tokens the model wrote (a turn, or the part of one a call wrote) to the sample."""
+        if sample.turn_start is None:
+            sample.turn_start = len(sample.ids)
+        sample.ids += tokens
+        sample.images.add_tokens(tokens)
+        sample.loss_mask += [1] * len(tokens)
+        sample.logps += logps
+        sample.context += tokens
+
+    def _end_turn(self, sample: _Sample, schemas: list[dict[str, Any]]) -> str | None:
+        """Read the model's turn just written and mark the sample done unless it calls tools it may still call.
+        Returns the error of a call that could not be read, which is answered like a failed call. ``schemas``: the
+        sample's tools, which its calls are read against."""
+        turn, sample.turn_start = sample.ids[sample.turn_start :], None
         ended = bool(turn) and turn[-1] in self.eos_token_ids
-        prefix = self.tokenizer.decode(sample.context, skip_special_tokens=False)
+        prefix = self.tokenizer.decode(sample.context[: len(sample.context) - len(turn)], skip_special_tokens=False)
         text = self.tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False)
         message, malformed = self.template.parse(text, prefix, schemas)
-        sample.ids += turn
-        sample.images.add_tokens(turn)
-        sample.loss_mask += [1] * len(turn)
-        sample.logps += logps
-        sample.context += turn
         sample.turns += 1
         sample.messages.append(message)
         calls_tools = "tool_calls" in message or malformed is not None

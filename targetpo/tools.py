@@ -10,6 +10,7 @@ not a well-formed call — comes back to the model as a tool message that says s
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
@@ -66,6 +67,8 @@ def environment_tools(environment: Any) -> list[Callable]:
     for name in dir(type(environment)):
         if name.startswith("_") or name in ENVIRONMENT_HOOKS:
             continue
+        if isinstance(inspect.getattr_static(environment, name), (property, functools.cached_property)):
+            continue  # state, not a tool: read before reset() it may not exist yet
         member = getattr(environment, name)
         if inspect.ismethod(member) or inspect.isfunction(member):
             tools.append(member)

@@ -251,6 +251,7 @@ class TargetPOTrainer(Trainer):
                 self._async_runner,
                 ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
                 processor=self._processor,  # a vision-language policy: tool results may hold images
+                max_positions=max_positions(self.accelerator.unwrap_model(self.model)),
             )
         self._prompt_encoder = PromptEncoder(
             tokenizer,

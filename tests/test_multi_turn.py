@@ -9,6 +9,7 @@ processes) is real. The end-to-end tests sample from a real tiny model with the 
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import threading
 import time
@@ -332,6 +333,51 @@ def test_later_turns_are_generated_within_the_room_left():
     assert rollout.completions.lengths.item() == first_turn + tool_turn + 2
 
 
+def test_no_turn_is_generated_past_the_models_positions_and_a_turn_cut_by_them_goes_on():
+    """Left-padded together, every row's positions run on for the turn's whole budget. A sample whose prompt fills
+    the positions that max_completion_length leaves, and whose first turn was the longer one, has less room left
+    than the other sample: the budget is lowered to its room and the other sample's long answer is written in two
+    calls, read as one turn."""
+    tokenizer = hermes_tokenizer()
+    template = ConversationTemplate(tokenizer, Toolbox([add]).schemas, [tokenizer.eos_token_id])
+    answer = "The tool says that one and one make two, so the answer is 2."
+    script = {"full": [call("add", a=10**20, b=10**20), "ok"], "q": [call("add", a=1, b=1), answer]}
+
+    def policy(context):  # the rest of the turn under way (a call cut by the positions wrote its start)
+        prompt = next(key for key in script if f"<user>{key}" in context)
+        turn = script[prompt][context.count("<assistant>") - 1]
+        written = context.rsplit("<assistant>", 1)[1]
+        assert turn.startswith(written)
+        return turn[len(written) :]
+
+    class PositionsRecorded(ScriptedPolicy):
+        def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
+            self.reaches.append(int(prompt_mask.sum(dim=1).max()) + max_new_tokens)
+            return super().generate(prompt_ids, prompt_mask, max_new_tokens)
+
+    max_completion_length = 160
+    rendered = [template.render(user("full" * 20), True), template.render(user("q"), True)]
+    script[rendered[0].split("<user>")[1].split("<")[0]] = script.pop("full")
+    encoded = tokenizer(rendered, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    positions = int(encoded["attention_mask"].sum(dim=1).max()) + max_completion_length  # the first prompt fills them
+    rollouts, reaches = {}, {}
+    for limit in (positions, None):
+        backend = PositionsRecorded(tokenizer, policy)
+        backend.reaches = []
+        loop = ToolLoop(template, max_completion_length, None, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                        max_positions=limit)  # fmt: skip
+        rollouts[limit] = loop.run(backend, encoded["input_ids"], encoded["attention_mask"], [Toolbox([add])] * 2)
+        reaches[limit] = backend.reaches
+    assert max(reaches[None]) > positions  # unbounded, the second turn would pass the model's positions
+    assert max(reaches[positions]) <= positions and len(reaches[positions]) == 3  # the answer's end: a third call
+    for rollout in rollouts.values():  # the same conversations either way, each turn read once
+        assert rollout.turns == [2, 2] and rollout.completions.truncated.tolist() == [False, False]
+        assert rollout.conversations[1][-1] == {"role": "assistant", "content": answer}
+        assert [message["role"] for message in rollout.conversations[0]] == ["assistant", "tool", "assistant"]
+    bounded, unbounded = rollouts[positions].completions, rollouts[None].completions
+    assert torch.equal(bounded.ids, unbounded.ids) and torch.equal(bounded.loss_mask, unbounded.loss_mask)
+
+
 def test_a_multi_turn_rollout_opens_the_policy_for_generation_once_for_all_its_turns():
     """Sharded weights are gathered for generation once per rollout, not once per turn."""
     tokenizer = guessing_tokenizer()
@@ -436,6 +482,32 @@ def test_calls_are_read_with_the_tokenizers_template_then_transformers_one_for_t
     assert response_template(qwen, "qwen3_5") is qwen.response_template
 
 
+def test_an_environments_properties_are_state_not_tools_and_are_not_read_to_find_its_tools():
+    class Counter:
+        def reset(self, **row):
+            self.count = 0
+
+        @property
+        def total(self) -> int:
+            return self.count  # no such attribute before reset()
+
+        @functools.cached_property
+        def label(self) -> str:
+            return str(self.count)
+
+        def bump(self, by: int) -> int:
+            """Add to the count.
+
+            Args:
+                by: how much.
+            """
+            self.count += by
+            return self.count
+
+    probe = Counter()  # the trainer reads the tools from an instance before any reset()
+    assert [tool.__name__ for tool in environment_tools(probe)] == ["bump"]
+
+
 def guessing_trainer(
     tmp_path, backend_policy=None, reward_funcs=None, environment_factory=GuessingGame, dataset=None, **overrides
 ):
@@ -466,6 +538,7 @@ def test_environments_keep_state_per_sample_score_themselves_and_reach_reward_fu
         return [float(sum(message["role"] == "tool" for message in conversation)) for conversation in completions]
 
     trainer = guessing_trainer(tmp_path, halving_search, reward_funcs=[turns_used], max_steps=1, log_completions=True)
+    assert trainer._tool_loop.max_positions == 128  # the model's: no turn is generated past them
     trainer.train()
     conversations, environments, secrets = seen[0]
     assert len(environments) == len(conversations) == 16
