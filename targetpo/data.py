@@ -236,7 +236,15 @@ class RolloutRows(torch.utils.data.Dataset):
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
+        self.sampler: RepeatSampler | None = None  # the sampler whose keys it is read by
         self._first_use_rows: dict[int, dict[str, Any]] = {}  # the current rollout's rows, as its first use read them
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch, for the sampler's order. accelerate's loader hands it to the sampler itself, except where the
+        sampler lies deeper than it looks (several processes with a resumed run's skipped batches): there it hands
+        it to the dataset, and without this the sampler would serve the rest of the epoch in epoch 0's order."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -413,7 +413,7 @@ class TargetPOTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return RepeatSampler(
+        sampler = RepeatSampler(
             len(dataset),
             num_generations=self.args.num_generations,
             prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
@@ -423,6 +423,9 @@ class TargetPOTrainer(Trainer):
             tag_uses=True,
             lookahead_use=self._lookahead_use,
         )
+        if isinstance(dataset, RolloutRows):  # the epoch may reach the sampler through the rows (RolloutRows.set_epoch)
+            dataset.sampler = sampler
+        return sampler
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         return RepeatSampler(len(eval_dataset), num_generations=self._group_size("eval"), shuffle=False)

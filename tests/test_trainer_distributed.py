@@ -10,9 +10,11 @@ from test_distributed import free_port
 from trainer_workers import (
     CASES,
     EVAL_PROMPTS,
+    RESUME_PROMPTS,
     STREAM_CASES,
     STREAM_PROMPTS,
     full_batch,
+    resume_in_second_epoch_worker,
     stream_share_worker,
     trainer_loss_worker,
 )
@@ -96,3 +98,20 @@ def test_a_stream_over_two_processes_gives_each_its_share_in_order(tmp_path):
         assert evaluated["stream"]["seen"] == evaluated["map"]["seen"] == expected, rank
         assert evaluated["stream"]["metrics"] == evaluated["map"]["metrics"], rank
         assert "eval_loss" in evaluated["stream"]["metrics"]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_in_its_second_epoch_over_two_processes_trains_as_the_run_straight_through(tmp_path):
+    """Resumed inside epoch 1, the loader's wrappers (process shards, the skipped batches) hide the sampler from the
+    epoch it is handed: the rest of the epoch must still come in epoch 1's order, not epoch 0's."""
+    mp.spawn(resume_in_second_epoch_worker, args=(WORLD_SIZE, free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    for rank in range(WORLD_SIZE):
+        runs = torch.load(tmp_path / f"resume_rank{rank}.pt")
+        straight, resumed = runs["straight"], runs["resumed"]
+        # Steps 6 and 7 in epoch 1's order, which differs from epoch 0's there (what a resume in epoch 0's would serve).
+        assert len(straight["seen"]) == 7 and straight["seen"][5:] != straight["seen"][1:3]
+        assert resumed["seen"] == straight["seen"][5:], rank
+        torch.testing.assert_close(resumed["weights"], straight["weights"], rtol=0, atol=1e-7)
+    # Each epoch served every prompt once: each process half of them, the two halves apart.
+    seen = [torch.load(tmp_path / f"resume_rank{rank}.pt")["straight"]["seen"] for rank in range(WORLD_SIZE)]
+    assert sorted(seen[0][:4] + seen[1][:4]) == sorted(RESUME_PROMPTS)

@@ -170,3 +170,40 @@ def stream_share_worker(rank, world_size, port, out_dir):
                 save_late_evaluations(trainer, seen, os.path.join(out_dir, f"evaluate_rank{rank}.pt"))
     torch.distributed.barrier()
     os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+
+
+#: Eight prompts: with 2 processes × 4 rows a rollout holds 2 prompts, so an epoch is 4 rollouts (4 optimiser steps).
+RESUME_PROMPTS = [f"Say {word}:" for word in ("cat", "dog", "sun", "map", "pen", "cup", "box", "hat")]
+
+
+def resume_in_second_epoch_worker(rank, world_size, port, out_dir):
+    """Train 7 steps straight (a checkpoint at step 5, inside the second epoch), then resume a fresh trainer from that
+    checkpoint; save the prompts this process scored per rollout and the final weights of both runs."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    runs = {}
+    for name, resume in (("straight", None), ("resumed", os.path.join(out_dir, "straight", "checkpoint-5"))):
+        seen = []
+
+        def recording_reward(prompts, completions, seen=seen, **kwargs):
+            seen.append(prompts[0])  # this process's prompt of the rollout (a group of 4 per process)
+            return varied_reward(completions)
+
+        args = TargetPOConfig(
+            output_dir=os.path.join(out_dir, name), per_device_train_batch_size=NUM_GENERATIONS,
+            num_generations=NUM_GENERATIONS, max_steps=7, max_prompt_length=16, max_completion_length=4,
+            learning_rate=1e-2, report_to="none", save_strategy="steps", save_steps=5, disable_tqdm=True, seed=0,
+            use_cpu=True, ddp_backend="gloo", ddp_timeout=60,
+        )  # fmt: skip
+        model = tiny_model()
+        trainer = TargetPOTrainer(
+            model, recording_reward, args=args, train_dataset=Dataset.from_dict({"prompt": RESUME_PROMPTS}),
+            processing_class=build_char_tokenizer(),
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        runs[name] = {"seen": seen, "weights": torch.cat([p.detach().flatten() for p in model.parameters()])}
+        torch.distributed.barrier()  # the checkpoint is whole on every process before the resumed run reads it
+    torch.save(runs, os.path.join(out_dir, f"resume_rank{rank}.pt"))
+    torch.distributed.barrier()
+    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
