@@ -628,8 +628,8 @@ class GRPOConfig(TrainingArguments):
     top_entropy_quantile: Annotated[float, Range(at_least=0, at_most=1)] = field(
         default=1.0,
         metadata={
-            "help": "Train only on the completion tokens whose entropy is in this top fraction of the step's tokens "
-            "(over every process): 0.2 keeps the most uncertain fifth of the tokens, 1.0 keeps all."
+            "help": "Train only on the completion tokens whose entropy is in this top fraction of the micro-step's "
+            "tokens (over every process): 0.2 keeps the most uncertain fifth of the tokens, 1.0 keeps all."
         },
     )
     off_policy_mask_threshold: Annotated[float | None, Range(above=0)] = field(
@@ -688,11 +688,18 @@ class GRPOConfig(TrainingArguments):
         default=False, metadata={"help": "Print a table of prompts, completions, rewards and targets at each log."}
     )
     num_completions_to_print: Annotated[int | None, Range(at_least=1)] = field(
-        default=None, metadata={"help": "Rows of the completions table. None prints every completion of the rollout."}
+        default=None,
+        metadata={
+            "help": "Rows of the completions table printed: the first N (a group's completions in a row). None prints "
+            "every completion of the rollout. Trackers and the Hub get every row."
+        },
     )
     log_unique_prompts: bool = field(
         default=False,
-        metadata={"help": "In the completions table, write each prompt once, on its first completion's row."},
+        metadata={
+            "help": "In the completions table (printed, sent to trackers, pushed to the Hub), write each prompt once, "
+            "on its first completion's row."
+        },
     )
     log_completions_hub_repo: str | None = field(
         default=None,

@@ -65,6 +65,14 @@ def _text(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def written_prompts(table: RolloutTable) -> list[Any]:
+    """Each row's prompt; with ``unique_prompts``, None on the rows that repeat the row before's (a group's)."""
+    return [
+        None if table.unique_prompts and index > 0 and prompt == table.prompts[index - 1] else prompt
+        for index, prompt in enumerate(table.prompts)
+    ]
+
+
 def print_completions_table(table: RolloutTable, max_rows: int | None = None, console: Console | None = None) -> None:
     """Print prompt, completion, each reward, the total and the target q, a row per completion."""
     view = Table(title=f"Completions at step {table.step}", show_lines=False, expand=False)
@@ -77,10 +85,10 @@ def print_completions_table(table: RolloutTable, max_rows: int | None = None, co
     for name in table.extra:
         view.add_column(name, overflow="fold", max_width=30)
     rows = len(table.completions) if max_rows is None else min(max_rows, len(table.completions))
+    prompts = written_prompts(table)
     for index in range(rows):
-        repeated = table.unique_prompts and index > 0 and table.prompts[index] == table.prompts[index - 1]
         view.add_row(
-            "" if repeated else _text(table.prompts[index]),
+            "" if prompts[index] is None else _text(prompts[index]),
             _text(table.completions[index]),
             *(_number(scores[index]) for scores in table.rewards.values()),
             _number(table.total_rewards[index]),
@@ -91,10 +99,11 @@ def print_completions_table(table: RolloutTable, max_rows: int | None = None, co
 
 
 def table_columns(table: RolloutTable) -> dict[str, list[Any]]:
-    """The table as named columns: step, prompt, completion, each reward, the total, q and the logged extras."""
+    """The table as named columns: step, prompt, completion, each reward, the total, q and the logged extras; with
+    ``unique_prompts`` a prompt is written on its first row only (None on the rows that repeat it)."""
     return {
         "step": [table.step] * len(table.completions),
-        "prompt": table.prompts,
+        "prompt": written_prompts(table),
         "completion": table.completions,
         **{f"reward/{name}": scores for name, scores in table.rewards.items()},
         "reward": table.total_rewards,

@@ -131,7 +131,10 @@ class RewardScorer:
         reward_weights: Sequence[float] | None = None,
         model_init_kwargs: dict[str, Any] | None = None,
         trust_remote_code: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
+        # Conversations reach reward models through their chat templates, with the run's template settings.
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if reward_funcs is None or (
             isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
         ):
@@ -295,7 +298,9 @@ class RewardScorer:
             # A prompt ending in an assistant message was continued: the completion message already includes it.
             texts = [
                 tokenizer.apply_chat_template(
-                    (prompt[:-1] if prompt[-1]["role"] == "assistant" else prompt) + completion, tokenize=False
+                    (prompt[:-1] if prompt[-1]["role"] == "assistant" else prompt) + completion,
+                    tokenize=False,
+                    **self.chat_template_kwargs,
                 )
                 for prompt, completion in zip(prompts, completions)
             ]

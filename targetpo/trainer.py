@@ -132,7 +132,12 @@ class TargetPOTrainer(Trainer):
         reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
-            reward_funcs, reward_processing_classes, reward_weights, args.model_init_kwargs, args.trust_remote_code
+            reward_funcs,
+            reward_processing_classes,
+            reward_weights,
+            args.model_init_kwargs,
+            args.trust_remote_code,
+            args.chat_template_kwargs,
         )
         policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
         processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)

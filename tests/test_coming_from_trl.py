@@ -516,7 +516,7 @@ def test_an_async_reward_function_that_raises_is_named(tmp_path, tiny_model, tok
 def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, tokenizer, prompt_dataset):
     from rich.console import Console
 
-    from targetpo.reporting import print_completions_table
+    from targetpo.reporting import print_completions_table, table_columns
 
     def judged(completions, log_extra, log_metric, **kwargs):
         lengths = [len(c) for c in completions]
@@ -538,9 +538,11 @@ def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, to
     print_completions_table(table, console=console)
     text = console.export_text()
     assert "verdict" in text and "short" in text
-    # log_unique_prompts: each prompt is written once, on its group's first row.
+    # log_unique_prompts: each prompt is written once, on its group's first row, in the printed table and in the one
+    # trackers and the Hub get.
     for prompt in set(table.prompts):
         assert text.count(prompt) == 1
+    assert table_columns(table)["prompt"] == [prompt if row % 4 == 0 else None for row, prompt in enumerate(table.prompts)]
     with pytest.raises(ValueError, match="log_extra\\('x', ...\\) got 1 values for 8 completions"):
         TargetPOTrainer(
             tiny_model, lambda completions, log_extra, **kw: log_extra("x", [1]) or [0.0] * len(completions),

@@ -340,6 +340,35 @@ def test_reward_model_scores_are_its_first_logit(tokenizer):
         assert scores[index, 0].item() == pytest.approx(alone.item(), abs=1e-5)
 
 
+def test_reward_models_render_conversations_with_the_runs_chat_template_kwargs(tmp_path):
+    from targetpo.demo import build_char_tokenizer
+
+    template = "{% for m in messages %}{{ m.role[0] }}:{{ m.content }};{% endfor %}{% if loud %}!!!{% endif %}"
+    tokenizer = build_char_tokenizer(chat_template=template)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config)
+    prompts, completions = [[{"role": "user", "content": "Say a"}]], [[{"role": "assistant", "content": "a"}]]
+    scores = {}
+    for kwargs in ({"loud": True}, None):
+        scorer = RewardScorer(model, reward_processing_classes=tokenizer, chat_template_kwargs=kwargs)
+        scores[bool(kwargs)] = scorer.score(prompts, completions, [[]], {}, None, torch.device("cpu"))[0, 0].item()
+    by_hand = {loud: model(**tokenizer(f"u:Say a;a:a;{'!!!' if loud else ''}", add_special_tokens=False,
+                                       return_tensors="pt")).logits[0, 0].item() for loud in (True, False)}  # fmt: skip
+    assert scores[True] == pytest.approx(by_hand[True], abs=1e-5)
+    assert scores[False] == pytest.approx(by_hand[False], abs=1e-5) and by_hand[True] != pytest.approx(by_hand[False])
+    # The trainer hands the run's chat_template_kwargs to its reward models.
+    trainer = TargetPOTrainer(
+        build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0), model,
+        args=make_config(tmp_path, chat_template_kwargs={"loud": True}), processing_class=tokenizer,
+        reward_processing_classes=tokenizer, train_dataset=Dataset.from_dict({"prompt": prompts * 2}),
+    )  # fmt: skip
+    assert trainer.reward_scorer.chat_template_kwargs == {"loud": True}
+
+
 def test_reward_models_can_be_scored_after_the_functions(tokenizer):
     # With sharded weights a reward model's forward is a collective, which the trainer runs apart from the functions.
     config = Qwen2Config(

@@ -89,6 +89,13 @@ def test_sampling_settings_follow_the_config_and_translate_suppress_tokens():
     assert settings["stop_token_ids"] == [1] and settings["logprobs"] == 0
     assert settings["logit_bias"] == {4: -100.0, 7: -100.0} and "suppress_tokens" not in settings
     assert settings["presence_penalty"] == 0.5  # other generation_kwargs are SamplingParams fields
+    # A logit_bias of generation_kwargs joins the suppressed tokens' (keys as JSON gives them, strings too); a token
+    # both suppressed and biased stays suppressed.
+    settings = SamplingSettings(
+        max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0,
+        generation_kwargs={"suppress_tokens": [4, 7], "logit_bias": {"5": 2.0, 7: 3.0}},
+    ).vllm_fields()
+    assert settings["logit_bias"] == {5: 2.0, 4: -100.0, 7: -100.0}
 
 
 def test_padded_engine_completions_mask_eos_and_truncation():

@@ -343,7 +343,9 @@ class SamplingSettings:
     def vllm_fields(self) -> dict[str, Any]:
         """Keyword arguments of ``vllm.SamplingParams`` as plain JSON-able values (no seed).
 
-        ``suppress_tokens`` becomes a -100 logit bias, so one config samples the same way with either backend.
+        ``suppress_tokens`` becomes a -100 logit bias, so one config samples the same way with either backend; a
+        ``logit_bias`` of ``generation_kwargs`` is kept beside it (a suppressed token stays suppressed, as with
+        ``model.generate``, whose suppression comes after any bias).
         """
         extra = dict(self.generation_kwargs)
         fields: dict[str, Any] = {
@@ -357,9 +359,10 @@ class SamplingSettings:
             "logprobs": 0,  # the sampled token's log-prob only
             "detokenize": False,  # the trainer decodes with its own tokenizer
         }
-        suppressed = extra.pop("suppress_tokens", None)
-        if suppressed:
-            fields["logit_bias"] = {int(token): -100.0 for token in suppressed}
+        bias = {int(token): float(value) for token, value in (extra.pop("logit_bias", None) or {}).items()}
+        bias |= {int(token): -100.0 for token in extra.pop("suppress_tokens", None) or []}
+        if bias:
+            fields["logit_bias"] = bias
         if self.structured_outputs_regex is not None:
             fields["structured_outputs"] = {"regex": self.structured_outputs_regex}
         fields.update(extra)
