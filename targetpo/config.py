@@ -28,6 +28,29 @@ VLLM_WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "gloo")
 LOGPS_HEAD_KERNELS = ("auto", "torch", "triton")
 #: Fields never shown in printed or logged configs.
 SECRET_FIELDS = ("vllm_server_api_key",)
+#: The vLLM settings only one vllm_mode reads: the server connection's, and the engine the trainer builds.
+VLLM_MODE_SETTINGS = {
+    "server": (
+        "vllm_server_base_url",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout",
+        "vllm_server_api_key",
+        "vllm_weight_transfer_backend",
+    ),
+    "colocate": (
+        "vllm_gpu_memory_utilization",
+        "vllm_tensor_parallel_size",
+        "vllm_model_impl",
+        "vllm_enable_sleep_mode",
+        "vllm_max_model_length",
+    ),
+}
+VLLM_MODE_SETTINGS_WHY = {
+    "server": "the server's engine is set up by its own command line (targetpo-vllm-serve or vllm serve: "
+    "--gpu-memory-utilization, --tensor-parallel-size, --max-model-len, ...).",
+    "colocate": "the engine runs in the training processes, with no server to connect to.",
+}
 
 
 # --- Allowed values as data ---------------------------------------------------------------------------------------
@@ -500,7 +523,8 @@ class GRPOConfig(TrainingArguments):
     vllm_enable_sleep_mode: bool = field(
         default=False,
         metadata={
-            "help": "Colocate mode: free the engine's memory during the optimiser step (where vLLM supports it)."
+            "help": "Colocate mode: free the engine's memory during the optimiser step. Refused on a platform where "
+            "vLLM has no sleep mode (the CPU)."
         },
     )
     vllm_max_model_length: int | None = field(
@@ -874,18 +898,25 @@ class GRPOConfig(TrainingArguments):
                 raise ValueError(f"{name} must be a dict, got {type(value).__name__}.")
 
     def _warn_about_unused_vllm_settings(self) -> None:
-        """Name the vLLM settings a run without vLLM leaves unused (e.g. a server's address with use_vllm=False)."""
-        if self.use_vllm:
-            return
+        """Name the vLLM settings the run leaves unused: every one without vLLM (e.g. a server's address with
+        use_vllm=False), and one mode's settings in the other (the colocated engine's memory share in server mode)."""
+        if not self.use_vllm:
+            names = [spec.name for spec in dataclasses.fields(self) if spec.name.startswith("vllm_") and spec.init]
+            why = "with use_vllm=False: rollouts are generated with model.generate. Set use_vllm=True to generate "
+            why += "with vLLM."
+        else:
+            other = "colocate" if self.vllm_mode == "server" else "server"
+            names = list(VLLM_MODE_SETTINGS[other])
+            why = f"with vllm_mode={self.vllm_mode!r}: {VLLM_MODE_SETTINGS_WHY[self.vllm_mode]}"
+        defaults = {spec.name: spec.default for spec in dataclasses.fields(self)}
         unused = [
-            f"{spec.name}={'<hidden>' if spec.name in SECRET_FIELDS else repr(getattr(self, spec.name))}"
-            for spec in dataclasses.fields(self)
-            if spec.name.startswith("vllm_") and spec.init and getattr(self, spec.name) != spec.default
+            f"{name}={'<hidden>' if name in SECRET_FIELDS else repr(getattr(self, name))}"
+            for name in names
+            if getattr(self, name) != defaults[name]
         ]
         if unused:
             warnings.warn(
-                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with use_vllm=False: rollouts "
-                "are generated with model.generate. Set use_vllm=True to generate with vLLM.",
+                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect {why}",
                 UserWarning,
                 stacklevel=4,
             )

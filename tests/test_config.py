@@ -317,7 +317,15 @@ def test_vllm_settings_a_run_without_vllm_leaves_unused_are_named(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config(tmp_path, use_vllm=True, vllm_server_port=8001)  # used
+        config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5)  # used
         config(tmp_path)  # nothing set
+    # One mode's settings in the other: the server's engine has its own command line; colocate has no server.
+    with pytest.warns(UserWarning, match=r"^vllm_gpu_memory_utilization=0.5, vllm_max_model_length=64 have no effect "
+                                         r"with vllm_mode='server': the server's engine is set up by its own command"):
+        config(tmp_path, use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_max_model_length=64)
+    with pytest.warns(UserWarning, match=r"^vllm_server_port=8001, vllm_server_api_key=<hidden> have no effect with "
+                                         r"vllm_mode='colocate': the engine runs in the training processes"):
+        config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_server_port=8001, vllm_server_api_key="secret")
     # A GRPOConfig the trainer converts says it once, not again when converted.
     with pytest.warns(UserWarning) as caught:
         resolve_config("model", GRPOConfig(output_dir=str(tmp_path), report_to="none", loss_type="tpo",
