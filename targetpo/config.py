@@ -511,7 +511,10 @@ class GRPOConfig(TrainingArguments):
     )
     vllm_structured_outputs_regex: str | None = field(
         default=None,
-        metadata={"help": "With vLLM: constrain every completion to match this regular expression. None: free."},
+        metadata={
+            "help": "With vLLM: constrain every completion to match this regular expression (in multi-turn rollouts, "
+            "every model turn: each turn is one request to the engine). None: free."
+        },
     )
     vllm_group_port: int = field(
         default=51216,
