@@ -532,12 +532,21 @@ def response_template(
         return own
     header = generation_prompt(tokenizer, template_kwargs or {})
     if model_type is not None:
-        try:  # transformers keeps its per-model templates beside its server, an optional part that may be missing
+        try:  # transformers keeps its per-model templates beside its server, a part older releases do not have
             from transformers.cli.serving.utils import get_response_template
-
-            known = get_response_template(tokenizer, SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
-        except Exception:
+        except ImportError as error:
+            warnings.warn(
+                f"transformers' per-model response templates cannot be imported ({error}), so this {model_type} "
+                "model's turns are read as Hermes-style tool calls, if its chat template writes them, with any "
+                "reasoning left in the message content. Upgrade transformers, or set tokenizer.response_template.",
+                stacklevel=2,
+            )
             known = None
+        else:
+            try:
+                known = get_response_template(tokenizer, SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+            except Exception:  # one it cannot build for this tokenizer: read as without one
+                known = None
         # Only for the chat format it was written for: a custom template on the same model may mark calls otherwise.
         if known is not None and _anchored_in(known, header):
             return known

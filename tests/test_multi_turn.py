@@ -482,6 +482,15 @@ def test_calls_are_read_with_the_tokenizers_template_then_transformers_one_for_t
     assert response_template(qwen, "qwen3_5") is qwen.response_template
 
 
+def test_a_transformers_without_per_model_response_templates_is_named_and_hermes_markup_is_read(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers.cli.serving.utils", None)  # as in a release without the module
+    with pytest.warns(UserWarning, match="per-model response templates cannot be imported .* this qwen3_5 model"):
+        assert response_template(hermes_tokenizer(), "qwen3_5") == {"start_anchor": "<assistant>",
+                                                                     "fields": HERMES_FIELDS}
+
+
 def test_an_environments_properties_are_state_not_tools_and_are_not_read_to_find_its_tools():
     class Counter:
         def reset(self, **row):
