@@ -396,10 +396,10 @@ class GRPOConfig(TrainingArguments):
             "padding every pass to the longest. The passes without gradient (old, reference log-probs) are cut the "
             "same way. Must hold one sequence of max_prompt_length + max_completion_length tokens. TPO keeps each "
             "prompt group in one pass when num_generations such sequences fit, and otherwise trains its groups "
-            "across passes from their softmax computed ahead (one more pass without gradient per rollout, and, once the "
-            "weights moved, one over each micro-step's rows before it trains them). Not with DeepSpeed, FSDP, top_entropy_quantile < 1, "
-            "optimisers that step inside backward (LOMO, layer-wise GaLore), nor the entropy bonus together with "
-            "off_policy_mask_threshold. None: one pass per micro-step."
+            "across passes from their softmax computed ahead (one more pass without gradient per rollout, and, once "
+            "the weights moved, one over each micro-step's rows before it trains them). Not with DeepSpeed, FSDP, "
+            "top_entropy_quantile < 1, optimisers that step inside backward (LOMO, layer-wise GaLore), nor the "
+            "entropy bonus together with off_policy_mask_threshold. None: one pass per micro-step."
         },
     )
     logps_head_kernel: str = field(

@@ -542,7 +542,8 @@ def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, to
     # trackers and the Hub get.
     for prompt in set(table.prompts):
         assert text.count(prompt) == 1
-    assert table_columns(table)["prompt"] == [prompt if row % 4 == 0 else None for row, prompt in enumerate(table.prompts)]
+    written = [prompt if row % 4 == 0 else None for row, prompt in enumerate(table.prompts)]  # groups of 4
+    assert table_columns(table)["prompt"] == written
     with pytest.raises(ValueError, match="log_extra\\('x', ...\\) got 1 values for 8 completions"):
         TargetPOTrainer(
             tiny_model, lambda completions, log_extra, **kw: log_extra("x", [1]) or [0.0] * len(completions),
