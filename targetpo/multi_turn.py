@@ -80,10 +80,11 @@ class ToolLoop:
     prompts with images, or a vision-language policy whose tools may return images) gives the images of the samples
     a turn continues, with their inputs over those contexts. With ``processor`` (a vision-language policy's) tool
     results may hold images: a tool turn's images are encoded by it, their placeholders expanded in the sample's
-    tokens, and every later turn is generated with them. ``max_positions`` (the model's, None: no limit): no row of
-    a turn is generated past them. The rows are left-padded together, so every row's positions run on for as many
-    tokens as the turn's budget (the most room any sample has left): when the longest context would pass the limit,
-    the budget is lowered, and a sample with more room than that writes the rest of its turn in the next call.
+    tokens, and every later turn is generated with them. ``max_positions`` (the model's, None: no limit): on a backend
+    that pads a call's rows together (``pads_rows_together``, ``model.generate``), every row's positions run on for
+    as many tokens as the turn's budget (the most room any sample has left), so when the longest context would pass
+    the limit the budget is lowered, and a sample with more room than that writes the rest of its turn in the next
+    call. A backend that sends each row alone (vLLM) generates every turn in one request.
     """
 
     def __init__(
@@ -158,7 +159,8 @@ class ToolLoop:
             rows = active or [0]
             budget = max(self.max_completion_length - len(samples[index].ids) for index in rows) if active else 1
             contexts = [samples[index].context for index in rows]
-            if self.max_positions is not None:  # at least a token: a prompt limit fitted to the model leaves room
+            if self.max_positions is not None and backend.pads_rows_together:
+                # At least a token: a prompt limit fitted to the model leaves the longest context that much room.
                 budget = max(1, min(budget, self.max_positions - max(len(context) for context in contexts)))
             ids, mask = left_pad(contexts, self.pad_token_id, device)
             # Every turn is generated with the sample's images so far (its prompt's, its tool results'), their inputs

@@ -67,8 +67,9 @@ def environment_tools(environment: Any) -> list[Callable]:
     for name in dir(type(environment)):
         if name.startswith("_") or name in ENVIRONMENT_HOOKS:
             continue
-        if isinstance(inspect.getattr_static(environment, name), (property, functools.cached_property)):
-            continue  # state, not a tool: read before reset() it may not exist yet
+        static = inspect.getattr_static(environment, name)
+        if inspect.isdatadescriptor(static) or isinstance(static, functools.cached_property):
+            continue  # state (a property, a slot), not a tool: read before reset() it may not exist yet
         member = getattr(environment, name)
         if inspect.ismethod(member) or inspect.isfunction(member):
             tools.append(member)
@@ -534,11 +535,12 @@ def response_template(
     if model_type is not None:
         try:  # transformers keeps its per-model templates beside its server, a part older releases do not have
             from transformers.cli.serving.utils import get_response_template
-        except ImportError as error:
+        except Exception as error:  # missing, or a broken optional dependency of transformers' server
             warnings.warn(
-                f"transformers' per-model response templates cannot be imported ({error}), so this {model_type} "
-                "model's turns are read as Hermes-style tool calls, if its chat template writes them, with any "
-                "reasoning left in the message content. Upgrade transformers, or set tokenizer.response_template.",
+                f"transformers' per-model response templates cannot be imported ({type(error).__name__}: {error}), so "
+                f"this {model_type} model's turns are read as Hermes-style tool calls, if its chat template writes "
+                "them, with any reasoning left in the message content. Upgrade or repair transformers (its serving "
+                "module), or set tokenizer.response_template.",
                 stacklevel=2,
             )
             known = None

@@ -351,6 +351,8 @@ def test_no_turn_is_generated_past_the_models_positions_and_a_turn_cut_by_them_g
         return turn[len(written) :]
 
     class PositionsRecorded(ScriptedPolicy):
+        pads_rows_together = True  # as model.generate: each row's positions run on for the call's whole budget
+
         def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
             self.reaches.append(int(prompt_mask.sum(dim=1).max()) + max_new_tokens)
             return super().generate(prompt_ids, prompt_mask, max_new_tokens)
@@ -360,16 +362,22 @@ def test_no_turn_is_generated_past_the_models_positions_and_a_turn_cut_by_them_g
     script[rendered[0].split("<user>")[1].split("<")[0]] = script.pop("full")
     encoded = tokenizer(rendered, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
     positions = int(encoded["attention_mask"].sum(dim=1).max()) + max_completion_length  # the first prompt fills them
-    rollouts, reaches = {}, {}
+    rollouts, reaches, budgets = {}, {}, {}
     for limit in (positions, None):
         backend = PositionsRecorded(tokenizer, policy)
         backend.reaches = []
         loop = ToolLoop(template, max_completion_length, None, [tokenizer.eos_token_id], tokenizer.pad_token_id,
                         max_positions=limit)  # fmt: skip
         rollouts[limit] = loop.run(backend, encoded["input_ids"], encoded["attention_mask"], [Toolbox([add])] * 2)
-        reaches[limit] = backend.reaches
+        reaches[limit], budgets[limit] = backend.reaches, backend.limits
     assert max(reaches[None]) > positions  # unbounded, the second turn would pass the model's positions
     assert max(reaches[positions]) <= positions and len(reaches[positions]) == 3  # the answer's end: a third call
+    # A backend that sends each row alone (vLLM) is not capped: every turn stays one request.
+    alone = ScriptedPolicy(tokenizer, policy)
+    loop = ToolLoop(template, max_completion_length, None, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                    max_positions=positions)  # fmt: skip
+    loop.run(alone, encoded["input_ids"], encoded["attention_mask"], [Toolbox([add])] * 2)
+    assert alone.limits == budgets[None] and len(alone.limits) == 2
     for rollout in rollouts.values():  # the same conversations either way, each turn read once
         assert rollout.turns == [2, 2] and rollout.completions.truncated.tolist() == [False, False]
         assert rollout.conversations[1][-1] == {"role": "assistant", "content": answer}
@@ -515,6 +523,11 @@ def test_an_environments_properties_are_state_not_tools_and_are_not_read_to_find
 
     probe = Counter()  # the trainer reads the tools from an instance before any reset()
     assert [tool.__name__ for tool in environment_tools(probe)] == ["bump"]
+
+    class Slotted(Counter):
+        __slots__ = ("steps",)  # a slot, unset before reset()
+
+    assert [tool.__name__ for tool in environment_tools(Slotted())] == ["bump"]
 
 
 def guessing_trainer(

@@ -149,9 +149,12 @@ class RolloutBackend:
         holds_weights: it samples from weights of its own, which :meth:`sync_weights` keeps equal to the policy's.
         overlaps_training: :meth:`start` returns before the completions are made, so training can go on meanwhile.
         takes_images: :meth:`generate` and :meth:`start` take prompts with images (``images``).
+        pads_rows_together: a call's rows run as one left-padded batch (``model.generate``), so every row's positions
+            run on for the call's whole budget of new tokens, whatever room the row itself has.
     """
 
     collective: bool = False
+    pads_rows_together: bool = False
     holds_weights: bool = False
     overlaps_training: bool = False
     takes_images: bool = False

@@ -32,6 +32,7 @@ class TransformersBackend(RolloutBackend):
     """
 
     takes_images = True
+    pads_rows_together = True
 
     def __init__(
         self,
