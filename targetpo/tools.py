@@ -411,6 +411,7 @@ class ConversationTemplate:
         eos_token_ids: Sequence[int],
         chat_template_kwargs: dict[str, Any] | None = None,
         model_type: str | None = None,
+        added_stop_token_ids: Sequence[int] = (),
     ):
         self.tokenizer = tokenizer
         self.schemas = schemas
@@ -429,6 +430,7 @@ class ConversationTemplate:
                 "Set `tokenizer.response_template` to a transformers response template for your chat format (see "
                 "docs/multi_turn.md), or write your own loop with `rollout_func`."
             )
+        self._check_stop_tokens(added_stop_token_ids)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -478,17 +480,11 @@ class ConversationTemplate:
 
         The assistant's turn, from its content (or, for a template that writes only the call, from the start) to its
         end-of-turn token, must render the same alone and with tool messages after it: the model writes it itself."""
-        name = self.schemas[0]["function"]["name"] if self.schemas else "tool"
-        exchange = [
-            {"role": "user", "content": "x"},
-            {"role": "assistant", "content": content, "tool_calls": [_call(name)]},
-        ]
+        exchange = self._stand_in_exchange(content)
         alone = self.render(exchange, add_generation_prompt=False)
         followed = self.render(exchange + tool_messages, add_generation_prompt=True)
         start, start_followed = (alone.find(_STAND_IN), followed.find(_STAND_IN)) if _STAND_IN in alone else (0, 0)
-        # The assistant's turn is the last one `alone` renders: its end-of-turn token is the last in the text.
-        ends = [alone.rfind(eos) + len(eos) for eos in self.eos_texts if eos and eos in alone[start:]]
-        turn = alone[start : max(ends, default=len(alone))]
+        turn = alone[start : self._turn_end(alone, start)[0]]
         if start_followed < 0 or not followed.startswith(turn, start_followed):
             raise ValueError(
                 f"The chat template of this {self._family} model renders an assistant turn differently once tool "
@@ -497,6 +493,42 @@ class ConversationTemplate:
                 "renders an assistant turn the same whatever follows it, or write your own loop with `rollout_func`."
             )
         return followed[start_followed + len(turn) :]
+
+    def _stand_in_exchange(self, content: str) -> list[dict[str, Any]]:
+        name = self.schemas[0]["function"]["name"] if self.schemas else "tool"
+        return [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": content, "tool_calls": [_call(name)]},
+        ]
+
+    def _turn_end(self, alone: str, start: int) -> tuple[int, str | None]:
+        """Where the assistant's turn that ``alone`` renders last (from ``start``) ends, and the stop token that ends
+        it: the last stop token in the text (None, and the text's end, if it holds none)."""
+        ends = [(alone.rfind(eos) + len(eos), eos) for eos in self.eos_texts if eos and eos in alone[start:]]
+        return max(ends, default=(len(alone), None))
+
+    def _end_of_turn_token(self) -> str | None:
+        """The stop token that ends an assistant turn (with a call) in the chat template, None if the turn holds none."""
+        alone = self.render(self._stand_in_exchange(_STAND_IN), add_generation_prompt=False)
+        return self._turn_end(alone, max(alone.find(_STAND_IN), 0))[1]
+
+    def _check_stop_tokens(self, added_stop_token_ids: Sequence[int]) -> None:
+        """Refuse stop tokens added in ``generation_kwargs`` that are not the template's end-of-turn token: a turn
+        that stops on one (say ``</tool_call>``) is read without it, so its call cannot be, and the tool turn would
+        follow without the end-of-turn token the template writes."""
+        if not self.schemas or not added_stop_token_ids:
+            return
+        end_of_turn = self._end_of_turn_token()
+        stray = [self.tokenizer.convert_ids_to_tokens(int(token)) for token in added_stop_token_ids]
+        stray = [text for text in stray if text != end_of_turn]
+        if stray:
+            raise ValueError(
+                f"generation_kwargs stop token(s) {stray} would end the model's turn in a tool rollout, but the chat "
+                f"template ends an assistant turn with {end_of_turn!r}: a turn stopped early is read without its stop "
+                "token (a call cut at '</tool_call>' cannot be read) and the tool turn would follow without the "
+                "template's end-of-turn token. Leave them out of generation_kwargs (eos_token_id / stop_token_ids); "
+                "the model's turn ends at its end-of-turn token."
+            )
 
     def _check_renders_tools(self) -> None:
         """Refuse, before any work, a template that cannot render a tool exchange, or whose tool turn cannot be cut
@@ -513,6 +545,15 @@ class ConversationTemplate:
                 f"The chat template cannot render a tool exchange (user, assistant with tool_calls, tool): {error}. "
                 "Use a chat template that supports tools."
             ) from error
+        if self._end_of_turn_token() is None:
+            turn = self.render(self._stand_in_exchange(_STAND_IN), add_generation_prompt=False).split(_STAND_IN)[-1]
+            raise ValueError(
+                f"No stop token ({self.eos_texts}) is in the chat template's assistant turn (after its text: "
+                f"{turn!r}), so generation would not stop where the model's turn ends and every tool rollout would run "
+                "on to max_completion_length. Add the template's end-of-turn token to the stop tokens, e.g. "
+                "generation_kwargs={'eos_token_id': tokenizer.convert_tokens_to_ids('<|im_end|>')} for ChatML "
+                "templates, or set the tokenizer's eos_token to it."
+            )
         if len(turns) > 1:
             raise ValueError(
                 f"The chat template of this {self._family} model writes the tool messages differently depending on "

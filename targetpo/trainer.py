@@ -245,7 +245,12 @@ class TargetPOTrainer(Trainer):
             model_type = self.accelerator.unwrap_model(self.model).config.model_type
             eos_token_ids, pad_token_id = self.sampling.eos_token_ids, self.sampling.pad_token_id
             template = ConversationTemplate(
-                tokenizer, self._tool_schemas, eos_token_ids, args.chat_template_kwargs, model_type
+                tokenizer,
+                self._tool_schemas,
+                eos_token_ids,
+                args.chat_template_kwargs,
+                model_type,
+                added_stop_token_ids=self.sampling.added_stop_token_ids,
             )
             self._tool_loop = ToolLoop(
                 template,

@@ -196,3 +196,47 @@ def test_a_template_that_cannot_be_made_safe_is_refused_naming_the_model_type_an
     with pytest.raises(ValueError, match=message) as refused:
         ConversationTemplate(tokenizer, Toolbox([add]).schemas, [tokenizer.eos_token_id], None, "llama")
     assert "this 'llama' model" in str(refused.value) and "rollout_func" in str(refused.value)
+
+
+def test_a_stop_token_that_is_not_the_end_of_turn_is_refused_for_tools_and_the_end_of_turn_is_taken(tmp_path):
+    tokenizer = qwen3_tokenizer()
+    end_of_call, end_of_turn = tokenizer.convert_tokens_to_ids(["</tool_call>", EOS])
+    schemas = Toolbox([add]).schemas
+    eos = [tokenizer.eos_token_id, end_of_call]
+    # A turn stopped at </tool_call> would be read without it (its call unreadable) and miss the template's <|im_end|>.
+    with pytest.raises(ValueError, match=r"\['</tool_call>'\].*ends an assistant turn with '<\|im_end\|>'"):
+        ConversationTemplate(tokenizer, schemas, eos, None, "qwen3", added_stop_token_ids=[end_of_call])
+    ConversationTemplate(tokenizer, schemas, [end_of_turn], None, "qwen3", added_stop_token_ids=[end_of_turn])
+    ConversationTemplate(tokenizer, [], eos, None, "qwen3", added_stop_token_ids=[end_of_call])  # no tools: no turns
+    # The trainer passes the stop tokens generation_kwargs adds, before any work.
+    args = make_config(tmp_path, max_completion_length=64, max_prompt_length=None,
+                       generation_kwargs={"eos_token_id": end_of_call})
+    with pytest.raises(ValueError, match="'</tool_call>'"):
+        TargetPOTrainer(tiny_qwen3(tokenizer), [lambda completions, **kwargs: [0.0] * len(completions)], args=args,
+                        train_dataset=guessing_dataset(num_prompts=8, seed=0), processing_class=tokenizer,
+                        environment_factory=GuessingGame)
+
+
+def test_a_template_whose_turn_holds_no_stop_token_is_refused_until_its_end_of_turn_is_added(tmp_path):
+    # A base model's tokenizer: its EOS is not the chat template's end of turn, so turns would never stop.
+    tokenizer = qwen3_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [*QWEN3_SPECIAL_TOKENS, "<|endoftext|>"]})
+    tokenizer.eos_token = "<|endoftext|>"
+    schemas = Toolbox([add]).schemas
+    with pytest.raises(ValueError, match=r"No stop token \(\['<\|endoftext\|>'\]\) is in .*</tool_call><\|im_end\|>"):
+        ConversationTemplate(tokenizer, schemas, [tokenizer.eos_token_id], None, "qwen3")
+    args = make_config(tmp_path, max_completion_length=64, max_prompt_length=None)
+    dataset = guessing_dataset(num_prompts=8, seed=0)
+
+    def build(args):
+        return TargetPOTrainer(tiny_qwen3(tokenizer), [lambda completions, **kwargs: [0.0] * len(completions)],
+                               args=args, train_dataset=dataset, processing_class=tokenizer,
+                               environment_factory=GuessingGame)
+
+    with pytest.raises(ValueError, match="Add the template's end-of-turn token"):
+        build(args)
+    end_of_turn = tokenizer.convert_tokens_to_ids(EOS)
+    args = make_config(tmp_path, max_completion_length=64, max_prompt_length=None,
+                       generation_kwargs={"eos_token_id": end_of_turn})
+    trainer = build(args)
+    assert end_of_turn in trainer._tool_loop.eos_token_ids

@@ -471,13 +471,14 @@ def test_calls_are_read_with_the_tokenizers_template_then_transformers_one_for_t
         assert response_template(hermes, model_type) == {"start_anchor": "<assistant>", "fields": HERMES_FIELDS}
     # Qwen's format on a Qwen 3.5 model: transformers' template for it reads the XML calls.
     qwen = build_char_tokenizer(PRINTABLE, chat_template=QWEN_TEMPLATE)
+    qwen.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})  # its end of turn, a stop token below
     turn = qwen.apply_chat_template(
         user("q") + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
             "name": "add", "arguments": {"a": 2, "b": 3}}}]}], tokenize=False
     ).split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
     read = {}
     for model_type in (None, "qwen3_5"):
-        template = ConversationTemplate(qwen, schemas, [qwen.eos_token_id], model_type=model_type)
+        template = ConversationTemplate(qwen, schemas, qwen.convert_tokens_to_ids(["<|im_end|>"]), model_type=model_type)
         read[model_type] = template.parse(turn, template.render(user("q"), add_generation_prompt=True))
     message, problem = read["qwen3_5"]
     assert problem is None

@@ -352,6 +352,26 @@ def test_seeded_prompts_beyond_one_scheduler_step_sample_on_the_server(served):
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
+def test_a_server_reporting_raw_log_probs_is_refused_before_training(tmp_path, served):
+    from vllm_serve import served_vllm
+
+    from targetpo.generation.vllm_server import VLLMServerClient, VLLMServerError
+
+    client = VLLMServerClient(served, 10)
+    client.check_sampled_logprobs()  # targetpo-vllm-serve's server: log-probs of the tempered distribution
+    client.close()
+    tokenizer = reverse_task_tokenizer()
+    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    # Started by hand without the setting (vLLM's default, raw log-probs; the last flag given wins).
+    with served_vllm(tmp_path / "model", tmp_path / "server.log", ["--logprobs-mode", "raw_logprobs"]) as raw:
+        with pytest.raises(VLLMServerError, match="--logprobs-mode processed_logprobs"):
+            make_trainer(server_config(tmp_path, raw, world_size=1))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
 def test_seeded_prompts_beyond_one_scheduler_step_sample_in_a_colocated_engine():
     from targetpo.generation.vllm_backend import VLLMColocateBackend
 

@@ -264,13 +264,15 @@ class SamplingSettings:
     cache_implementation: str | None = None  # model.generate's KV cache; vLLM manages its own
     structured_outputs_regex: str | None = None  # vLLM only: every completion matches this regular expression
     from_generation_kwargs: tuple[str, ...] = ()  # the typed fields whose value generation_kwargs gave
+    added_stop_token_ids: tuple[int, ...] = ()  # the eos_token_ids generation_kwargs added
 
     @classmethod
     def from_config(cls, args: Any, tokenizer: Any, model: Any) -> SamplingSettings:
         """The config's sampling (:func:`resolve_generation_kwargs`); a completion ends at the tokenizer's EOS, any
         the model's generation config names, or any ``generation_kwargs`` adds."""
         resolved = resolve_generation_kwargs(args)._asdict()
-        eos_ids = {tokenizer.eos_token_id, *resolved.pop("stop_token_ids")}
+        added_stop_token_ids = resolved.pop("stop_token_ids")
+        eos_ids = {tokenizer.eos_token_id, *added_stop_token_ids}
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos_ids.update(model_eos if isinstance(model_eos, (list, tuple)) else [model_eos])
         generation_kwargs = resolved.pop("generation_kwargs")
@@ -285,6 +287,7 @@ class SamplingSettings:
             generation_kwargs=generation_kwargs,
             cache_implementation=getattr(args, "cache_implementation", None),
             structured_outputs_regex=getattr(args, "vllm_structured_outputs_regex", None),
+            added_stop_token_ids=added_stop_token_ids,
             **resolved,
         )
 

@@ -141,6 +141,36 @@ class VLLMServerClient:
                 f"VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config, as {SERVE_HINT} does."
             )
 
+    def check_sampled_logprobs(self) -> None:
+        """Refuse a server that reports the model's raw log-probs rather than those of the distribution it sampled
+        (``--logprobs-mode processed_logprobs``): importance weights and the sampler's p_old would be off wherever
+        temperature or the other sampling settings reshape it. Only processed log-probs change with temperature, so
+        one token's top log-probs are asked for at two, after a prompt whose next token is not uniform (a flat
+        distribution reads the same at any temperature)."""
+        for prompt in ([0, 1, 2, 3], [3, 2, 1], [1]):  # ids every vocabulary has
+            at_one, at_half = (self._top_logprobs(prompt, temperature) for temperature in (1.0, 0.5))
+            if max(at_one.values()) - min(at_one.values()) < 1e-3:
+                continue
+            shared = at_one.keys() & at_half.keys()
+            if all(abs(at_one[token] - at_half[token]) < 1e-6 for token in shared):
+                raise VLLMServerError(
+                    f"The vLLM server at {self.base_url} reports the same log-probs at temperature 1 and 0.5, so it "
+                    "does not report the log-probs of the distribution it samples (its --logprobs-mode is "
+                    "raw_logprobs, the default, or raw_logits): the sampler's log-probs training relies on would be "
+                    f"wrong. Restart it with --logprobs-mode processed_logprobs, as {SERVE_HINT} does."
+                )
+            return
+
+    def _top_logprobs(self, prompt: list[int], temperature: float) -> dict[int, float]:
+        """The server's top log-probs of the token after ``prompt``, by token id."""
+        body = {
+            "request_id": f"targetpo-logprobs-mode-check-{time.monotonic_ns()}",
+            "token_ids": prompt,
+            "sampling_params": {"max_tokens": 1, "temperature": temperature, "logprobs": 5, "seed": 0},
+        }
+        entry = self._request("POST", "/inference/v1/generate", json=body)["choices"][0]["logprobs"]["content"][0]
+        return {top["token_id"]: top["logprob"] for top in [entry, *entry.get("top_logprobs", [])]}
+
     def world_size(self) -> int:
         """The number of vLLM workers (tensor × pipeline × data parallel) that receive weights."""
         return int(self._request("GET", "/get_world_size")["world_size"])
@@ -390,6 +420,7 @@ class VLLMServerBackend(RolloutBackend):
                 self.client = VLLMServerClient(base_url, timeout, api_key)
                 try:
                     self.client.wait_for_server()
+                    self.client.check_sampled_logprobs()
                 except BaseException:
                     self.client.close()
                     raise
