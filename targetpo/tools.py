@@ -401,7 +401,9 @@ class ConversationTemplate:
     """The tokenizer's chat template as a multi-turn rollout uses it: read the model's turns, write the tool turns.
 
     ``schemas`` are the tools rendered into every prompt. The model's calls are read with transformers' response
-    parsing (``tokenizer.parse_response``) and the template :func:`response_template` finds.
+    parsing (``tokenizer.parse_response``) and the template :func:`response_template` finds. ``eos_token_ids`` must
+    hold the template's end-of-turn token; ``added_stop_token_ids`` (those ``generation_kwargs`` added) may hold no
+    other: both are checked here, as is that the template renders tool turns apart from the model's text.
     """
 
     def __init__(
