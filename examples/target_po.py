@@ -86,9 +86,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, BitsAndBytesConfig, HfArgumentParser, PreTrainedModel
+from transformers import AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
 from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.cli import FlagParser
 from targetpo.data import check_streaming_supported
 from targetpo.demo import (
     GUESS_DIGITS,
@@ -528,10 +529,20 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """The description as written (its example commands keep their lines), each flag with its default."""
 
 
-def build_parser() -> HfArgumentParser:
-    """The command line: ScriptArguments, every TargetPOConfig field and TRL's model flags."""
-    return HfArgumentParser(
+#: The --help sections of the script's own flags (TargetPOConfig's have theirs in targetpo.config.FLAG_GROUPS).
+SCRIPT_FLAG_GROUPS = {
+    "model": ("model_name_or_path", *(spec.name for spec in dataclasses.fields(ModelArguments))),
+    "data": ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
+             "task", "reverse_length", "lock_keys", "num_prompts"),
+    "rewards": ("reward_funcs",),
+}
+
+
+def build_parser() -> FlagParser:
+    """The command line: ScriptArguments, every TargetPOConfig field and TRL's model flags, in sections, TPO first."""
+    return FlagParser(
         (ScriptArguments, TargetPOConfig, ModelArguments),
+        groups=SCRIPT_FLAG_GROUPS,
         usage="%(prog)s [FLAG VALUE ...]  (every flag is listed below)",
         description=HELP_DESCRIPTION,
         formatter_class=HelpFormatter,
@@ -558,7 +569,7 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, TargetPOConfig, M
     if any(arg in ("-h", "--help") for arg in argv):
         peek = ScriptArguments()  # --help shows the default task's settings
     else:
-        peek = HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
+        peek = FlagParser(ScriptArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
     # argparse uses a default only for a flag that is not on the command line, so a flag passed wins whatever its value.
     parser.set_defaults(**task_defaults(peek))
     with warnings.catch_warnings():  # every --vllm_* flag without --use_vllm is named once, by build_trainer

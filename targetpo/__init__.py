@@ -2,8 +2,8 @@
 
 from . import functional
 from .config import GRPOConfig, TargetPOConfig
-from .trainer import TargetPOTrainer
+from .trainer import GRPOTrainer, TargetPOTrainer
 
 __version__ = "0.1.0"
 
-__all__ = ["GRPOConfig", "TargetPOConfig", "TargetPOTrainer", "functional", "__version__"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "TargetPOConfig", "TargetPOTrainer", "functional", "__version__"]

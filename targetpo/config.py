@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -178,6 +179,65 @@ def scale_rewards_name(scale: str | bool) -> str | bool:
     return scale
 
 
+def close_names(given: str, known: typing.Iterable[str], limit: int = 3) -> list[str]:
+    """The known names a misspelt `given` most likely meant, best first: names whose words' initials spell it (lr:
+    learning_rate), names that begin with it (what an abbreviation would have matched), then close spellings."""
+    known = list(known)
+    initials = [name for name in known if "".join(word[:1] for word in name.split("_")) == given]
+    extended = [name for name in known if name.startswith(given)]
+    spelled = difflib.get_close_matches(given, known, n=limit)
+    return list(dict.fromkeys([*initials, *extended, *spelled]))[:limit]
+
+
+def either(names: typing.Sequence[str]) -> str:
+    """`a`, `a or b`, `a, b or c`."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+#: The command line's sections (--help), in order, and the config fields each lists; `targetpo.cli.FlagParser` reads
+#: it. TrainingArguments' own fields follow in a last section, the Trainer's.
+# fmt: off
+FLAG_GROUPS = {
+    "TPO": ("loss_type", "tpo_target_temperature", "tpo_length_normalize_logps"),
+    "model": (
+        "model_init_kwargs", "trust_remote_code", "cast_lm_head_to_fp32", "router_aux_loss_coef", "disable_dropout",
+    ),
+    "data": ("shuffle_dataset",),
+    "rollouts and sampling": (
+        "num_generations", "num_generations_eval", "generation_batch_size", "steps_per_generation", "num_iterations",
+        "max_prompt_length", "max_completion_length", "mask_truncated_completions", "temperature", "top_p", "top_k",
+        "min_p", "repetition_penalty", "generation_kwargs", "chat_template_kwargs", "cache_implementation",
+        "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged",
+    ),
+    "vLLM": (
+        "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+        "vllm_server_api_key", "vllm_weight_transfer_backend", "async_rollouts", "max_staleness",
+        "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl", "vllm_structured_outputs_regex",
+        "vllm_group_port", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap",
+    ),
+    "tools and environments": ("max_tool_calling_iterations", "tool_call_timeout", "tool_call_concurrency"),
+    "rewards": ("reward_weights", "scale_rewards", "multi_objective_aggregation"),
+    "KL, regularisers and the GRPO-family losses": (
+        "beta", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "use_bias_correction_kl",
+        "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+        "entropy_target", "top_entropy_quantile", "off_policy_mask_threshold", "epsilon", "epsilon_high", "delta",
+        "importance_sampling_level", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    ),
+    "memory and speed": (
+        "logps_chunk_size", "padding_free", "share_prompt_forward", "max_tokens_per_micro_batch", "logps_head_kernel",
+        "skip_zero_gradient_completions", "pad_to_multiple_of", "ds3_gather_for_generation",
+    ),
+    "logging": (
+        "log_completions", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+        "log_multimodal", "warn_after_uninformative_rollouts",
+    ),
+}
+# fmt: on
+
+
 @dataclass
 class GRPOConfig(TrainingArguments):
     """Training arguments for group-sampling RL trainers: rollout, sampling, reward and logging settings.
@@ -262,8 +322,8 @@ class GRPOConfig(TrainingArguments):
     steps_per_generation: Annotated[int | None, Range(at_least=1)] = field(
         default=None,
         metadata={
-            "help": "Optimisation micro-steps served by one rollout (default 1). Set this or generation_batch_size; both "
-            "only where they agree."
+            "help": "Optimisation micro-steps served by one rollout (default gradient_accumulation_steps: one rollout "
+            "per optimiser step). Set this or generation_batch_size; both only where they agree."
         },
     )
     num_iterations: Annotated[int, Range(at_least=1)] = field(
@@ -358,7 +418,10 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Compute token log-probs from the final hidden states this many completion positions at a time, "
             "never materialising the (batch, length, vocab) logits, and skip padding positions. 0: one full logits "
-            "tensor (always the case under ZeRO-3/FSDP2 and for models whose logits are post-processed)."
+            "tensor (always the case under ZeRO-3/FSDP2 and, with a warning, for models whose logits are not the "
+            "output head applied to the final hidden states: post-processed logits, or a head that transforms the "
+            "hidden states first, as BERT-family *ForCausalLM models do; a probe of the model's forward pass at "
+            "start-up checks)."
         },
     )
     padding_free: bool = field(
@@ -742,6 +805,24 @@ class GRPOConfig(TrainingArguments):
             "placeholders), never the images."
         },
     )
+    warn_after_uninformative_rollouts: Annotated[int, Range(at_least=0, why="0 never warns")] = field(
+        default=20,
+        metadata={
+            "help": "Warn once when this many training rollouts in a row had no informative group (every group's "
+            "completions got equal rewards, so the rewards teach nothing), naming the reward functions and what to "
+            "check. 0 never warns."
+        },
+    )
+
+    def __new__(cls, *args, **kwargs):
+        # Runs before the generated __init__, which would refuse a misspelt field without naming the one meant.
+        fields = [spec.name for spec in dataclasses.fields(cls) if spec.init]
+        for name in kwargs:
+            if name not in fields:
+                close = close_names(name, fields)
+                hint = f". Did you mean {either([repr(known) for known in close])}?" if close else ""
+                raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}{hint}")
+        return super().__new__(cls)
 
     def __post_init__(self):
         # Dict-valued fields arrive as JSON strings from the command line.
@@ -988,7 +1069,8 @@ class GRPOConfig(TrainingArguments):
                 f"{step_batch})."
             )
         if self.generation_batch_size is None:
-            self.steps_per_generation = self.steps_per_generation or 1
+            if self.steps_per_generation is None:  # one rollout per optimiser step, as TRL lays batches out
+                self.steps_per_generation = self.gradient_accumulation_steps
             self.generation_batch_size = step_batch * self.steps_per_generation
         elif self.steps_per_generation is None:
             self.steps_per_generation = self.generation_batch_size // step_batch

@@ -33,11 +33,13 @@ def is_conversational(example: dict[str, Any]) -> bool:
 
 
 def validate_prompt_dataset(
-    dataset: Any, split: str, tokenizer: Any, images_need: str | None = NEEDS_PROCESSOR
+    dataset: Any, split: str, tokenizer: Any, images_need: str | None = NEEDS_PROCESSOR, prompt_optional: bool = False
 ) -> None:
     """Refuse datasets the trainer cannot use, before any model work starts: every row's prompt is checked.
 
     ``images_need`` says what prompts with images would need that this run lacks; None when they can be trained on.
+    ``prompt_optional``: rows may leave the prompt out (environments make it up in ``reset()``, from an empty user
+    message).
     """
     if dataset is None:
         return
@@ -57,7 +59,8 @@ def validate_prompt_dataset(
     first = first_row(dataset)
     if first is None:
         raise ValueError(f"The {split} dataset is empty: it needs at least one row with a 'prompt'.")
-    if not isinstance(first, dict) or "prompt" not in first:
+    has_prompts = isinstance(first, dict) and "prompt" in first
+    if not has_prompts and not (prompt_optional and isinstance(first, dict)):
         columns = list(first.keys()) if isinstance(first, dict) else type(first).__name__
         raise ValueError(
             f"The {split} dataset has no 'prompt' column (found {columns}). Prompt-only datasets need a 'prompt' column "
@@ -76,14 +79,17 @@ def validate_prompt_dataset(
             f"The {split} dataset has the column(s) {unsupported}: {need}; training would otherwise see the text "
             f"alone. To train on the text on purpose, drop them with `dataset.remove_columns({unsupported})`."
         )
-    if images_need is None and row_images(first) and isinstance(first["prompt"], str):
+    if images_need is None and row_images(first) and isinstance(first.get("prompt"), str):
         raise ValueError(
             f"The {split} dataset has images but its prompts are plain strings: images need conversational prompts, "
             "whose chat template places them. Wrap each as `[{'role': 'user', 'content': prompt}]`."
         )
-    first_is_text = None
+    first_is_text = None  # stays None without prompts: the environments' prompts are conversations
     # A stream is read once, while training: its first row is checked now, the others as they arrive (RolloutStream).
-    prompts = [first["prompt"]] if is_stream(dataset) else column_values(dataset, "prompt", split)
+    if not has_prompts:
+        prompts = []
+    else:
+        prompts = [first["prompt"]] if is_stream(dataset) else column_values(dataset, "prompt", split)
     for index, prompt in enumerate(prompts):
         problem = prompt_problem(prompt, images_allowed=images_need is None)
         if problem is not None:
@@ -254,8 +260,9 @@ class RolloutRows(torch.utils.data.Dataset):
 
     def __getitems__(self, keys: list[tuple[int, ...]]) -> list[dict[str, Any]]:
         """The rows of a batch of keys, read from the dataset in one go (a Dataset reads a batch of rows in about the
-        time of one). A first use's rows are fresh copies, as a read of one is: a rollout's repeats of a prompt share
-        nothing that one sample's rollout could change for another.
+        time of one). They may share objects (a list of dicts gives its own at every read): a rollout deep-copies
+        each sample's row before using it (``rollout.sources.own_copies``), so nothing a sample's rollout changes
+        reaches another sample, the dataset, or the rows kept here.
 
         Every micro-step of a rollout gets its rows, but only the first use makes the rollout from them (later ones
         take their step batch from the rollout buffer, except where a resumed run begins mid-rollout): a later use
@@ -352,7 +359,8 @@ class RolloutStream(torch.utils.data.IterableDataset):
 
     The stream is read ``prompts_per_rollout`` prompts at a time; each chunk is served ``repeat_count`` times, each
     prompt ``num_generations`` times in a row, tagged with ``ROLLOUT_USE`` when ``tag_uses``. A trailing chunk with
-    fewer prompts is dropped. Every prompt is checked as it arrives.
+    fewer prompts is dropped. Every prompt is checked as it arrives; with ``prompt_optional`` (environments make up
+    the prompts) a row may have none.
     """
 
     def __init__(
@@ -364,6 +372,7 @@ class RolloutStream(torch.utils.data.IterableDataset):
         tag_uses: bool = False,
         split: str = "train",
         images_allowed: bool = False,
+        prompt_optional: bool = False,
     ):
         self.dataset = dataset
         self.num_generations = num_generations
@@ -372,6 +381,7 @@ class RolloutStream(torch.utils.data.IterableDataset):
         self.tag_uses = tag_uses
         self.split = split
         self.images_allowed = images_allowed
+        self.prompt_optional = prompt_optional
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):  # a shuffled datasets.IterableDataset reshuffles per epoch
@@ -385,10 +395,10 @@ class RolloutStream(torch.utils.data.IterableDataset):
     def _checked_rows(self) -> Iterator[dict[str, Any]]:
         """The stream's rows, each refused as it arrives if its prompt is missing or unusable."""
         for index, row in enumerate(self.dataset):
-            if not isinstance(row, dict) or "prompt" not in row:
+            if not isinstance(row, dict) or ("prompt" not in row and not self.prompt_optional):
                 found = list(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"The {self.split} dataset's row {index} has no 'prompt' (found {found}).")
-            problem = prompt_problem(row["prompt"], self.images_allowed)
+            problem = prompt_problem(row["prompt"], self.images_allowed) if "prompt" in row else None
             if problem is not None:
                 raise ValueError(f"The {self.split} dataset's prompt in row {index} {problem[0]}; {problem[1]}")
             yield row

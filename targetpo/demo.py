@@ -5,19 +5,29 @@ exactly the reversed string, so a random policy succeeds with probability 2**-H 
 Only '0' and '1' may be emitted (:func:`binary_only_generation_kwargs`), so every completion has exactly H tokens.
 The multi-turn pieces: the guessing game and the lock (environments whose tool the model calls; the lock's reward is
 as sparse as the reversal's) and a tokenizer whose chat template renders plain tool functions and their calls
-(docs/multi_turn.md's offline examples).
+(docs/multi_turn.md's offline examples). :func:`save_tiny_chat_model` saves a tiny model with that tokenizer to a
+folder, in place of a Hub model, so that every example that loads one also runs offline.
 
 Everything is built locally from a config: nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import string
+from pathlib import Path
 
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 #: Enough characters for English prompts, chat markup and numbers.
@@ -51,6 +61,9 @@ def build_char_tokenizer(
     return tokenizer
 
 
+TINY_ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
 def build_tiny_causal_lm(
     tokenizer: PreTrainedTokenizerFast,
     hidden_size: int = 64,
@@ -58,17 +71,21 @@ def build_tiny_causal_lm(
     num_heads: int = 2,
     max_positions: int = 512,
     seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """A small Qwen2-architecture model with random weights (about 0.1M parameters), sized for CPU training."""
+    architecture: str = "qwen2",
+) -> PreTrainedModel:
+    """A small model with random weights (about 0.1M parameters), sized for CPU training: Qwen2's architecture, or
+    Qwen3's (``architecture="qwen3"``)."""
     import torch
 
-    config = Qwen2Config(
+    config_class, model_class = TINY_ARCHITECTURES[architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -77,7 +94,7 @@ def build_tiny_causal_lm(
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -269,3 +286,35 @@ def tool_calling_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = build_char_tokenizer(PRINTABLE, chat_template=TOOL_CALLING_CHAT_TEMPLATE)
     tokenizer.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
     return tokenizer
+
+
+# ------------------------------------------------------------------------------------------- a stand-in Hub model
+#: Enough positions for a prompt and a completion of the docs' lengths (prompts of 512 tokens, the default limit, and
+#: completions of 512 or more); rotary positions cost nothing until used.
+TINY_CHAT_MODEL_POSITIONS = 4096
+
+
+def save_tiny_chat_model(directory: str | os.PathLike, max_positions: int = TINY_CHAT_MODEL_POSITIONS) -> str:
+    """Save a tiny chat model and its tokenizer to ``directory``, as a Hub model is saved; return its absolute path.
+
+    Use the path wherever an example names a Hub model (``model="Qwen/Qwen2.5-0.5B-Instruct"``, a reward model's id)
+    to run it offline::
+
+        model = save_tiny_chat_model("tiny-chat")
+        trainer = TargetPOTrainer(model=model, reward_funcs=..., train_dataset=...)
+
+    The model is :func:`build_tiny_causal_lm`'s in Qwen3's architecture (random weights, a fixed seed,
+    ``max_positions`` positions); the tokenizer is :func:`tool_calling_tokenizer`'s, one token per character, whose
+    chat template renders the tools offered, the messages and the assistant's tool calls (Hermes-style
+    ``<tool_call>`` JSON, which targetpo reads). Both load with ``AutoModelForCausalLM`` and ``AutoTokenizer``. It
+    shows how an example is wired, not what it learns: an untrained model rarely writes a well-formed tool call or a
+    right answer. Nothing is downloaded.
+    """
+    tokenizer = tool_calling_tokenizer()
+    # Qwen3's architecture, not the demo's Qwen2: AutoTokenizer loads a Qwen2 model's tokenizer as Qwen2's own class,
+    # which replaces this tokenizer's one-token-per-character splitting with Qwen2's (spaces and newlines are lost).
+    model = build_tiny_causal_lm(tokenizer, max_positions=max_positions, architecture="qwen3")
+    path = Path(directory).resolve()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,8 +1,10 @@
-"""Distributed plumbing: collectives for prompt groups split over processes, failures that stop every process, and the
-engine-specific handling of sharded models (DeepSpeed ZeRO, FSDP2) for generation and for frozen models."""
+"""Distributed plumbing: collectives for prompt groups split over processes, failures that stop every process, the
+process group's teardown at exit, and the engine-specific handling of sharded models (DeepSpeed ZeRO, FSDP2) for
+generation and for frozen models."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -156,6 +158,29 @@ def check_engine_supported(accelerator: Any, passes_per_micro_step: bool = False
             "while FSDP2's gradient reduction is not checked for it here. Unset max_tokens_per_micro_batch (bound "
             "memory with per_device_train_batch_size instead), or train with DDP."
         )
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """Have the default gloo process group destroyed when the interpreter exits, if the script has not done it.
+
+    Left to the interpreter's own teardown, the group's C++ worker threads can still be releasing the tensors of
+    the last collectives while Python finalises; a thread that needs Python then is ended mid-way, and the process
+    aborts ("terminate called without an active exception") after a run that succeeded, now and then. atexit
+    handlers run before that teardown, and destroying the group joins those threads. Only gloo (CPU runs): NCCL's
+    destruction at exit is torch's own business. Registered once per process; does nothing if the group is gone.
+    """
+    global _destroy_registered
+    if not _destroy_registered:
+        atexit.register(_destroy_gloo_group)
+        _destroy_registered = True
+
+
+_destroy_registered = False
+
+
+def _destroy_gloo_group() -> None:
+    if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
+        dist.destroy_process_group()
 
 
 def prepare_frozen_model(accelerator: Any, model: nn.Module, micro_batch_size: int) -> nn.Module:

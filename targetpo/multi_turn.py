@@ -530,6 +530,7 @@ class EnvironmentPool:
         # Per lane and name: the rollout made now and the one played ahead (async_rollouts) never share an object.
         self._pools: dict[tuple[str, str | None], list[tuple[Any, Toolbox]]] = {}
         self.rewards: list[EnvironmentReward] = []
+        self.latest: list[Any] | None = None  # the environments of the rollout taken last, one per sample, in order
         schemas: dict[str, dict[str, Any]] = {}
         kinds_with_reward: list[type] = []
         for name, make in factories.items():
@@ -620,11 +621,17 @@ def with_environment_rewards(
     return funcs + list(rewards), weights
 
 
+def empty_prompt() -> list[dict[str, Any]]:
+    """The prompt of a row that has none, where the environment makes it up: an empty user message, which the text
+    ``reset()`` returns fills."""
+    return [{"role": "user", "content": ""}]
+
+
 def start_environment(environment: Any, row: dict[str, Any], skip: str | None = None) -> Any:
-    """Reset ``environment`` with the row's columns (but ``skip``); its prompt, with the text reset returns added to
-    the last message."""
+    """Reset ``environment`` with the row's columns (but ``skip``); its prompt (the row's, or :func:`empty_prompt`
+    for a row without one), with the text reset returns added to the last message."""
     observation = environment.reset(**{key: value for key, value in row.items() if key != skip})
-    prompt = row["prompt"]
+    prompt = row["prompt"] if "prompt" in row else empty_prompt()
     if observation is None:
         return prompt
     if not isinstance(observation, str):

@@ -17,15 +17,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .modeling.loading import forward_accepts_position_ids
+from .modeling.loading import forward_accepts_position_ids, is_peft_model
 from .modeling.logps import (
     completion_logps,
     liger_head_problem,
     packed_completion_logps,
     shared_prompt_completion_logps,
-    supports_chunked_head,
     triton_head_problem,
 )
+from .modeling.output_head import chunked_head_problem
 from .modeling.packing import gpu_packing_cost, model_packing_problem, rows_packing_problem
 from .modeling.shared_prompt import model_sharing_problem, prompt_runs
 from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
@@ -100,7 +100,7 @@ class PolicyLogps:
         they are exact."""
         # Chunked log-probs call the output head outside the model's forward, which sharded weights do not allow.
         asked_chunk_size = chunk_size
-        chunk_size = (chunk_size or None) if supports_chunked_head(model) and not sharded else None
+        chunk_size = chunk_size if chunk_size and not sharded and _chunked_head_applies(model, chunk_size) else None
         liger = use_liger_kernel and _liger_can_compute_logps(model, sharded, bool(suppressed))
         if liger:
             chunk_size = chunk_size or 512  # the entropy metric is still computed in chunks
@@ -248,7 +248,7 @@ class PolicyLogps:
         if problem is None and self.chunk_size is None:
             problem = (
                 "the output head cannot run on the final hidden states (logps_chunk_size=0, sharded weights, or "
-                "logits post-processed after the head)"
+                "logits that are not the head applied to them)"
             )
         if problem is None:
             subject, problem = "these", _rows_padded_only(rows_tensors, with_images)
@@ -314,6 +314,23 @@ def _scatter_rows(values: torch.Tensor | None, selected: torch.Tensor, batch: Ma
     if values is None:
         return None
     return values.new_zeros(batch["completion_ids"].shape).index_copy(0, selected, values)
+
+
+def _chunked_head_applies(model: nn.Module, chunk_size: int) -> bool:
+    """Whether ``model``'s head may run on its final hidden states, ``chunk_size`` positions at a time
+    (:func:`chunked_head_problem`); where it may not, a warning names the model and why."""
+    problem = chunked_head_problem(model)
+    if problem is not None:
+        unwrapped = getattr(model, "module", model)  # DDP
+        name = type(unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped).__name__
+        warnings.warn(
+            f"logps_chunk_size={chunk_size}: {name}'s log-probs are computed from one full logits tensor, not "
+            f"{chunk_size} positions at a time from its final hidden states, because {problem}. Chunks would give "
+            "wrong log-probs for it; the full logits give the right ones, at the memory of the (batch, length, "
+            "vocabulary) logits.",
+            stacklevel=5,
+        )
+    return problem is None
 
 
 def _liger_can_compute_logps(model: nn.Module, sharded: bool, suppresses_tokens: bool) -> bool:

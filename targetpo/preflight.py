@@ -14,17 +14,19 @@ from .config import GRPOConfig, TargetPOConfig
 from .data import check_streaming_supported, column_values, first_row, is_stream, validate_prompt_dataset
 from .modeling.loading import model_identifier
 from .modeling.logps import require_liger, require_triton
-from .multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool
+from .multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool, empty_prompt
 from .objectives import warn_if_grpo_config_trains_another_loss
 from .rewards import REWARD_ARGUMENTS
 from .vision import IMAGE_COLUMNS
 
 
-def resolve_config(model: Any, args: Any) -> TargetPOConfig:
-    """The run's TargetPOConfig: the one given, one made from a GRPOConfig, or the defaults named after the model."""
+def resolve_config(model: Any, args: Any, default: type[GRPOConfig] = TargetPOConfig) -> TargetPOConfig:
+    """The run's TargetPOConfig: the one given, one made from a GRPOConfig, or ``default``'s defaults named after the
+    model (a GRPOConfig's then train its loss, as a GRPOConfig passed in does)."""
     if args is None:
         name = model if isinstance(model, str) else model_identifier(model) or "model"
-        return TargetPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-TargetPO")
+        suffix = default.__name__.removesuffix("Config")
+        args = default(output_dir=f"{name.rstrip('/').split('/')[-1]}-{suffix}")
     if isinstance(args, GRPOConfig) and not isinstance(args, TargetPOConfig):
         # A GRPO script's config: the same fields, and the TPO ones at their defaults. Its loss_type is kept, so it
         # trains the GRPO-family loss it names on this trainer's rollouts.
@@ -87,13 +89,14 @@ class DatasetNeeds:
 def check_datasets(args: TargetPOConfig, train_dataset: Any, eval_dataset: Any, needs: DatasetNeeds) -> None:
     """Every dataset's rows suit the run: prompts, streaming, conversations for tools, columns for the rewards."""
     splits = named_splits(train_dataset, eval_dataset)
+    prompt_optional = needs.environments is not None  # a row may leave its prompt to its environment's reset()
     for split, dataset in splits:
-        validate_prompt_dataset(dataset, split, needs.renderer, needs.images_need)
+        validate_prompt_dataset(dataset, split, needs.renderer, needs.images_need, prompt_optional)
     if any(is_stream(dataset) for _, dataset in splits):
         check_streaming_supported(args, train_is_stream=is_stream(train_dataset))
     if needs.multi_turn:
         for split, dataset in splits:
-            if isinstance(first_row(dataset)["prompt"], str):
+            if isinstance(first_row(dataset).get("prompt"), str):
                 raise ValueError(
                     f"Tools and environments need a conversational {split} dataset (prompts as lists of chat "
                     "messages): the chat template renders the tools and the tool turns. Wrap each prompt as "
@@ -156,19 +159,34 @@ def kept_columns(environments: EnvironmentPool | None) -> list[str]:
     return ["prompt", *IMAGE_COLUMNS, *([ENVIRONMENT_COLUMN] if named else [])]
 
 
-def prompts_from_environments(args: TargetPOConfig, environments: EnvironmentPool) -> Dataset:
-    """The train dataset when the environment makes up each prompt in ``reset()``: one rollout's worth of empty user
-    messages, read again for every rollout, with ``max_steps`` setting the run's length."""
+def check_train_prompts(args: TargetPOConfig, train_dataset: Any, environments: EnvironmentPool | None) -> None:
+    """That ``train()`` has prompts: a train dataset, or one environment that makes up each prompt in ``reset()``,
+    with ``max_steps`` to say how long to train."""
+    if train_dataset is not None:
+        return
+    if environments is None:
+        raise ValueError(
+            "TargetPOTrainer: training requires a train_dataset. Pass one (prompts in a `prompt` column), or an "
+            "environment_factory whose reset() makes up each prompt; a trainer that only evaluates is given an "
+            "eval_dataset instead."
+        )
     if environments.named:
         raise ValueError(
             f"environment_factory is a dict of environments {environments.names}, so a train_dataset must name each "
-            f"row's environment in an `{ENVIRONMENT_COLUMN}` column. Pass one, or one factory whose reset() makes up "
-            "the prompt."
+            f"row's environment in an `{ENVIRONMENT_COLUMN}` column. Pass one (that column alone will do where each "
+            "reset() makes up its prompt), or one factory whose reset() makes up the prompt."
         )
     if args.max_steps <= 0:
         raise ValueError(
             "No train_dataset: the environment makes up each prompt in reset(), so no dataset sets how long to "
             "train. Set max_steps to the number of optimiser steps."
         )
+
+
+def prompts_from_environments(args: TargetPOConfig, environments: EnvironmentPool | None) -> Dataset:
+    """The train dataset when the environment makes up each prompt in ``reset()``: one rollout's worth of empty user
+    messages, read again for every rollout, with ``max_steps`` setting the run's length. Refused where that cannot
+    be (:func:`check_train_prompts`)."""
+    check_train_prompts(args, None, environments)
     prompts_per_rollout = args.generation_batch_size // args.num_generations
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * prompts_per_rollout})
+    return Dataset.from_dict({"prompt": [empty_prompt() for _ in range(prompts_per_rollout)]})

@@ -3,6 +3,7 @@
 A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...)``
 and returns one float, or ``None`` for "this function does not score this sample", per completion. A reward model is
 a ``PreTrainedModel`` for sequence classification (or its id) whose first logit scores prompt + completion.
+:func:`accuracy_reward` is a ready-made reward function for math answers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -309,3 +311,33 @@ class RewardScorer:
             texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=add_special_tokens
         ).to(device)
         return model(**encoded).logits[:, 0].float().cpu()
+
+
+# ------------------------------------------------------------------------------------------ ready-made rewards
+def accuracy_reward(completions: Sequence[Any], solution: Sequence[str], **kwargs) -> list[float | None]:
+    """1.0 where a completion's answer equals its row's ``solution`` as mathematics (``\\frac{1}{2}`` and ``0.5``
+    agree), else 0.0; None, leaving the sample unscored, where the solution itself cannot be read.
+
+    The answer is read from the completion's text (LaTeX such as ``\\boxed{}`` or ``$...$`` first, else a plain
+    expression) and compared by math-verify (``pip install 'targetpo[math]'``). Completions are text or a list of one
+    assistant message, as for any reward function; the dataset needs a ``solution`` column.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as error:
+        raise ImportError(
+            "accuracy_reward compares answers with the math-verify package: pip install 'targetpo[math]' (or "
+            "math-verify)."
+        ) from error
+    # math-verify times itself out with signal.alarm, which works only in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    scores: list[float | None] = []
+    for completion, expected in zip(completions, solution, strict=True):
+        gold = parse(expected, parsing_timeout=timeout)
+        if not gold:
+            scores.append(None)
+            continue
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        answer = parse(text, parsing_timeout=timeout)
+        scores.append(float(verify(gold, answer, timeout_seconds=timeout)))
+    return scores

@@ -17,6 +17,7 @@ One training micro-step reads as:
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from . import functional as F
 from .batch_layout import BatchLayout
 from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
-from .config import TargetPOConfig
+from .config import GRPOConfig, TargetPOConfig
 from .data import (
     NEEDS_PROCESSOR,
     ROLLOUT_USE,
@@ -43,7 +44,13 @@ from .data import (
     lookahead_use,
     stream_loader_settings,
 )
-from .distributed import check_engine_supported, failures_reach_every_process, prepare_frozen_model, shards_parameters
+from .distributed import (
+    check_engine_supported,
+    destroy_gloo_group_at_exit,
+    failures_reach_every_process,
+    prepare_frozen_model,
+    shards_parameters,
+)
 from .generation import RolloutBackend, SamplingSettings
 from .metrics import MetricsRecorder, record_loss_metrics, record_targets
 from .modeling.loading import (
@@ -62,6 +69,7 @@ from .preflight import (
     DatasetNeeds,
     check_datasets,
     check_run_settings,
+    check_train_prompts,
     kept_columns,
     prompts_from_environments,
     resolve_config,
@@ -74,6 +82,7 @@ from .rollout.records import RolloutBatch
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
+from .run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .split_groups import SplitGroups
 from .token_budget import check_budget_fits, joined_by_rows, pass_token_shares
 from .tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
@@ -89,7 +98,9 @@ class TargetPOTrainer(Trainer):
             reward models (``PreTrainedModel`` for sequence classification) or reward-model ids; None when an
             environment's ``get_reward()`` scores the samples.
         args: a :class:`~targetpo.TargetPOConfig`.
-        train_dataset, eval_dataset: prompt-only datasets with a ``prompt`` column (string or chat messages).
+        train_dataset, eval_dataset: prompt-only datasets with a ``prompt`` column (string or chat messages); with
+            environments a row may leave its prompt to ``reset()``. A trainer that could not train is refused when
+            built, unless it is given an eval_dataset to evaluate.
         processing_class: the policy's tokenizer, or a vision-language model's processor (prompts with images, from an
             ``image`` or ``images`` column); loaded from the model's id when omitted.
         reward_processing_classes: one tokenizer per reward function (None for plain functions).
@@ -105,6 +116,7 @@ class TargetPOTrainer(Trainer):
             returns ``prompt_ids``, ``completion_ids`` and optionally ``logprobs``, ``env_mask`` and extra fields.
     """
 
+    default_config = TargetPOConfig  # what args=None trains
     # The loss is a per-micro-batch mean: the Trainer divides it by the gradient-accumulation steps.
     loss_is_scaled_for_ga = False
 
@@ -127,9 +139,11 @@ class TargetPOTrainer(Trainer):
         environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
         rollout_func: Callable[[list[Any], TargetPOTrainer], dict[str, Any]] | None = None,
     ):
-        args = resolve_config(model, args)
+        args = resolve_config(model, args, self.default_config)
         check_run_settings(args, evaluates=eval_dataset is not None)
         reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
+        if eval_dataset is None:  # given one, the trainer may only evaluate: train() checks its prompts then
+            check_train_prompts(args, train_dataset, self._environments)
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
             reward_funcs,
@@ -174,6 +188,7 @@ class TargetPOTrainer(Trainer):
         )
         self.model_accepts_loss_kwargs = False
         check_engine_supported(self.accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
+        destroy_gloo_group_at_exit()
         # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
         self._sharded = shards_parameters(self.accelerator)
         self._prepare_frozen_models()
@@ -416,6 +431,18 @@ class TargetPOTrainer(Trainer):
         The backend the trainer built stays open, so the new one may wrap it; :meth:`close` closes it."""
         self._scheduler.use_backend(backend)
 
+    @property
+    def reward_func_names(self) -> list[str]:
+        """Each reward function's name, as its metrics log it (``rewards/<name>/mean``); an environment class's
+        ``get_reward()`` comes last, under the class's name."""
+        return list(self.reward_scorer.names)
+
+    @property
+    def environments(self) -> list[Any] | None:
+        """This process's environments of the latest rollout, one per sample in order, as they ended; None without
+        ``environment_factory`` or before the first rollout."""
+        return None if self._environments is None else self._environments.latest
+
     # ------------------------------------------------------------------------------------------------ data
     def _what_images_need(self) -> str | None:
         """What prompts with images would need that this run lacks; None when they can be trained on."""
@@ -441,10 +468,8 @@ class TargetPOTrainer(Trainer):
         return RepeatSampler(len(eval_dataset), num_generations=self._group_size("eval"), shuffle=False)
 
     def get_train_dataloader(self):
-        if self.train_dataset is None and self._environments is not None:  # the environments make up the prompts
+        if self.train_dataset is None:  # the environment makes up the prompts (or the trainer says what is missing)
             self.train_dataset = prompts_from_environments(self.args, self._environments)
-        if self.train_dataset is None:
-            raise ValueError("TargetPOTrainer: training requires a train_dataset.")
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
         # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time. A stream is read in
         # order and repeated the same way as it arrives.
@@ -456,6 +481,7 @@ class TargetPOTrainer(Trainer):
                 repeat_count=self._generate_every,
                 tag_uses=True,
                 images_allowed=self._images_need is None,
+                prompt_optional=self._environments is not None,
             )
             with stream_loader_settings(self.args, self.accelerator):
                 return self._get_dataloader(
@@ -483,7 +509,11 @@ class TargetPOTrainer(Trainer):
         self.args.check_eval_batch_size()
         if dataset is not None and is_stream(dataset):
             stream = RolloutStream(
-                dataset, self._group_size("eval"), split="eval", images_allowed=self._images_need is None
+                dataset,
+                self._group_size("eval"),
+                split="eval",
+                images_allowed=self._images_need is None,
+                prompt_optional=self._environments is not None,
             )
             with stream_loader_settings(self.args, self.accelerator):
                 return self._get_dataloader(
@@ -506,10 +536,21 @@ class TargetPOTrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any):
         self._scheduler.buffer = None  # a (resumed) run starts with a fresh rollout
         self._scheduler.forget_weights()  # and gives the rollout backend its weights before it
+        if self.accelerator.is_main_process:  # what trains; the block stays quiet at log_level "error" and above
+            announce_run(self._run_summary(), show_block=self.args.get_process_log_level() <= logging.WARNING)
         try:
             return super().train(*args, **kwargs)
         finally:
             self._scheduler.stop_generating()  # the backend stays up: `evaluate()` and another `train()` use it
+
+    def _run_summary(self) -> RunSummary:
+        """What this trainer trains, as the block printed when training starts shows it (``run_summary.py``)."""
+        environments = self._environments.factories if self._environments is not None else None
+        rollouts = rollouts_description(
+            self.rollout_backend, self.rollout_func, self.tools, environments, self.args.async_rollouts
+        )
+        model, processes = self.accelerator.unwrap_model(self.model), self.accelerator.num_processes
+        return RunSummary.of(self.args, model, processes, self.reward_scorer, rollouts, processes_asked_here())
 
     def close(self) -> None:
         """Release the rollout backend this trainer built (a vLLM engine and its memory, a server connection and its
@@ -894,3 +935,9 @@ class TargetPOTrainer(Trainer):
                 )
                 if pushed:  # each rollout once, at its first log; a failed push is tried again at the next log
                     self._pushed_rollout = self._completion_table.rollout
+
+
+class GRPOTrainer(TargetPOTrainer):
+    """TargetPOTrainer under TRL's name: with ``args=None`` it trains GRPOConfig's defaults (loss_type='dapo')."""
+
+    default_config = GRPOConfig

@@ -58,3 +58,16 @@ def script_ended_or_cut(model: torch.nn.Module, tokenizer, ending: str, running:
     points = {ids[":"]: (1.0, 1.0), tokenizer.eos_token_id: (-3.0, 2.0)}
     points |= {ids[token]: (0.0, 1.0) for token in ending} | {ids[token]: (1.0, 0.0) for token in running}
     return place_tokens(model, points)
+
+
+def script_one_digit_answers(model: torch.nn.Module, tokenizer, digits: str) -> torch.nn.Module:
+    """A chat model whose every answer is one of ``digits`` (the model's own choice among them, about evenly), then
+    ``<eos>``, each with probability 1 - e^-25 or more.
+
+    ``<assistant>`` (the end of the generation prompt) at (1, 0), the digits at (2, 1), ``<eos>`` at (-2, 12): after
+    ``<assistant>`` the digits score 50, ``<assistant>`` 25 and ``<eos>`` -50; after a digit ``<eos>`` scores
+    25 * 8 / sqrt(5) ≈ 89 and the digits ≈ 56.
+    """
+    points = {tokenizer.convert_tokens_to_ids("<assistant>"): (1.0, 0.0), tokenizer.eos_token_id: (-2.0, 12.0)}
+    points |= {tokenizer.convert_tokens_to_ids(digit): (2.0, 1.0) for digit in digits}
+    return place_tokens(model, points)

@@ -1,18 +1,24 @@
-"""The GRPO surface a TRL script relies on: its config class, and how rewards become advantages."""
+"""The GRPO surface a TRL script relies on: its trainer and config classes, its quick-start ported with sed, its batch
+layout, and how rewards become advantages."""
 
 import dataclasses
 import json
 import math
 import warnings
 
+import datasets
 import pytest
 import torch
 from conftest import make_config
 from datasets import Dataset, IterableDataset
+from scripted_policies import script_one_digit_answers
+from split_group_workers import NUM_GENERATIONS, train
+from test_split_groups import assert_same_weights_after_every_step, assert_steps_move_the_weights
 from test_trainer_values import few_letters
 
-from targetpo import GRPOConfig, TargetPOConfig, TargetPOTrainer
-from targetpo.demo import build_tiny_causal_lm
+from targetpo import GRPOConfig, GRPOTrainer, TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm, tool_calling_tokenizer
+from targetpo.rewards import accuracy_reward
 
 PROMPTS = ["Say cat:", "Say dog:", "Say sun:", "Say map:", "Say pen:", "Say cup:", "Say box:", "Say hat:"]
 
@@ -41,6 +47,111 @@ def test_a_grpo_config_trains_the_grpo_loss_it_names(tmp_path, tiny_model, token
         tpo = TargetPOTrainer(tiny_model, reward, args=dataclasses.replace(args, loss_type="tpo"),
                               train_dataset=dataset, processing_class=tokenizer)
     assert tpo.args.loss_type == "tpo" and not [w for w in caught if "GRPOConfig" in str(w.message)]
+
+
+#: TRL's GRPOTrainer quick-start, as TRL's README and GRPO trainer docs give it.
+TRL_QUICK_START = """\
+from datasets import load_dataset
+from trl import GRPOTrainer
+from trl.rewards import accuracy_reward
+
+dataset = load_dataset("trl-lib/DeepMath-103K", split="train")
+
+trainer = GRPOTrainer(
+    model="Qwen/Qwen2.5-0.5B-Instruct",
+    reward_funcs=accuracy_reward,
+    train_dataset=dataset,
+)
+trainer.train()
+"""
+
+
+def test_trls_quick_start_ported_with_sed_trains_trls_loss_and_says_so(tmp_path, monkeypatch):
+    """The quick-start with every ``trl`` made ``targetpo``; only the Hub model and dataset are local stand-ins (a
+    tiny chat model whose answers are "4" or "5", DeepMath's columns), and the run is two logged steps."""
+    code = TRL_QUICK_START.replace("trl", "targetpo")
+    model = tmp_path / "Qwen2.5-0.5B-Instruct"
+    tokenizer = tool_calling_tokenizer()
+    script_one_digit_answers(build_tiny_causal_lm(tokenizer, max_positions=1024), tokenizer, "45").save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    code = code.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(model)))
+    deep_math = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": "What is 2 + 2?"}], [{"role": "user", "content": "What is 2 + 3?"}]],
+        "solution": ["$4$", "$5$"],
+    })
+
+    def load_dataset(path, split=None, **kwargs):
+        assert (path, split) == ("targetpo-lib/DeepMath-103K", "train")
+        return deep_math
+
+    @dataclasses.dataclass
+    class ShortRun(GRPOTrainer.default_config):
+        """The trainer's defaults, over two logged steps."""
+
+        max_steps: int = 2
+        logging_steps: float = 1
+        report_to: str | list[str] | None = "none"
+        disable_tqdm: bool | None = True
+
+    ShortRun.__name__ = GRPOTrainer.default_config.__name__  # names the output folder as the real default does
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(GRPOTrainer, "default_config", ShortRun)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    with pytest.warns(UserWarning, match=r"trains its loss_type='dapo' .*not TPO. For TPO, pass a TargetPOConfig"):
+        exec(compile(code, "quick_start.py", "exec"), namespace)  # noqa: S102 - TRL's documented script, ported
+    trainer = namespace["trainer"]
+    assert type(trainer) is GRPOTrainer and trainer.args.output_dir == "Qwen2.5-0.5B-Instruct-GRPO"
+    assert trainer.args.loss_type == "dapo" and trainer.args.max_completion_length == 256  # GRPOConfig's defaults
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == [1, 2]
+    for entry in logs:
+        # Groups whose answers differ (a gradient to follow), trained by a clipped-surrogate step, not TPO's.
+        assert 0 < entry["rewards/accuracy_reward/mean"] < 1 and entry["grad_norm"] > 0
+        assert "clip_ratio/region_mean" in entry and "tpo/target_entropy" not in entry
+
+
+def test_accuracy_reward_compares_answers_as_mathematics():
+    completions = [[{"role": "assistant", "content": "So it is \\boxed{\\frac{1}{2}}."}], "It is 0.5", "4", "I don't know",
+                   "x + 1"]
+    solutions = ["$\\frac{1}{2}$", "$\\frac12$", "$5$", "$4$", "not a formula at all"]
+    assert accuracy_reward(completions, solutions) == [1.0, 1.0, 0.0, 0.0, None]
+
+
+def test_grpo_trainer_without_args_trains_grpo_configs_defaults_and_one_word_switches_to_tpo(
+    tmp_path, tokenizer, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    tiny_model = build_tiny_causal_lm(tokenizer, max_positions=512)  # room for the default completion length
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"trains its loss_type='dapo'"):
+        grpo = GRPOTrainer(tiny_model, reward, train_dataset=dataset, processing_class=tokenizer)
+    defaults = GRPOConfig(output_dir="model-GRPO")
+    for f in dataclasses.fields(GRPOConfig):
+        assert getattr(grpo.args, f.name) == getattr(defaults, f.name), f.name
+    assert grpo.args.loss_type == "dapo"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TPO is what it was asked for: nothing to say
+        tpo = TargetPOTrainer(tiny_model, reward, train_dataset=dataset, processing_class=tokenizer)
+        switched = GRPOTrainer(tiny_model, reward, args=TargetPOConfig(output_dir="out"), train_dataset=dataset,
+                               processing_class=tokenizer)
+    assert tpo.args.loss_type == switched.args.loss_type == "tpo" and tpo.args.output_dir == "model-TargetPO"
+
+
+@pytest.mark.parametrize("loss_type", ["tpo", "dapo"])
+def test_trls_batch_layout_trains_a_group_over_an_optimiser_steps_micro_steps_as_one_micro_step(tmp_path, loss_type):
+    """per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=8 and steps_per_generation left
+    unset, as TRL lays it out: one rollout of one group per optimiser step, 2 of its rows per micro-step. Plain SGD:
+    the weights after every step are those of the whole group in one micro-step."""
+    spread = train(str(tmp_path / "spread"), per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                   loss_type=loss_type, max_steps=2)
+    assert spread.args.steps_per_generation == 4 and spread.args.generation_batch_size == NUM_GENERATIONS
+    whole = train(str(tmp_path / "whole"), per_device_train_batch_size=NUM_GENERATIONS, loss_type=loss_type,
+                  max_steps=2)
+    assert whole.args.steps_per_generation == 1
+    assert_same_weights_after_every_step(spread.recorded, whole.recorded)
+    assert_steps_move_the_weights(whole.recorded[1:], whole.recorded[0])
 
 
 def recorded_rewards(record):

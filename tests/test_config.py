@@ -39,6 +39,40 @@ def test_generation_batch_size_and_steps_per_generation_derive_each_other(tmp_pa
 
 
 @pytest.mark.parametrize(
+    "settings, steps_per_generation, generation_batch_size",
+    [
+        # Neither set: one rollout per optimiser step, gradient_accumulation_steps micro-steps of it.
+        (dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=8), 4, 8),
+        (dict(per_device_train_batch_size=8, num_generations=8), 1, 8),
+        (dict(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_generations=4, num_iterations=2), 3, 12),
+        # One of them set: the other follows from it, whatever gradient_accumulation_steps is.
+        (dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=8, steps_per_generation=8),
+         8, 16),
+        (dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=8, generation_batch_size=16),
+         8, 16),
+        (dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4, steps_per_generation=1),
+         1, 8),
+    ],
+)
+@pytest.mark.parametrize("config_class", [TargetPOConfig, GRPOConfig])
+def test_steps_per_generation_defaults_to_gradient_accumulation_steps(
+    tmp_path, config_class, settings, steps_per_generation, generation_batch_size
+):
+    args = config_class(output_dir=str(tmp_path), report_to="none", **settings)
+    assert (args.steps_per_generation, args.generation_batch_size) == (steps_per_generation, generation_batch_size)
+
+
+def test_the_default_layout_counts_every_process_and_refuses_only_partial_groups(tmp_path, monkeypatch):
+    monkeypatch.setattr(TargetPOConfig, "world_size", property(lambda self: 2))
+    # 2 rows x 2 processes x 2 micro-steps: one group of 8 per optimiser step, over both processes.
+    args = config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=8)
+    assert (args.steps_per_generation, args.generation_batch_size) == (2, 8)
+    # 2 x 2 x 3 = 12 completions cannot be whole groups of 8.
+    with pytest.raises(ValueError, match="Each rollout must hold whole prompt groups: generation_batch_size = 12"):
+        config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, num_generations=8)
+
+
+@pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(num_generations=1, per_device_train_batch_size=8), "num_generations must be at least 2"),
@@ -366,6 +400,7 @@ RULED_FIELDS = {
     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef_delta", "top_entropy_quantile",
     "off_policy_mask_threshold", "ref_model_mixup_alpha", "ref_model_sync_steps", "scale_rewards",
     "multi_objective_aggregation", "num_completions_to_print", "tpo_target_temperature",
+    "warn_after_uninformative_rollouts",
 }
 
 
@@ -452,3 +487,25 @@ def test_range_messages_say_the_bounds_as_written():
     for bad in (dict(), dict(at_least=0, above=0), dict(at_most=1, below=1)):
         with pytest.raises(ValueError, match="give one bound or two"):
             Range(**bad)
+
+
+@pytest.mark.parametrize(
+    "config_class, given, meant",
+    [(TargetPOConfig, "num_generation", "num_generations"), (GRPOConfig, "lr", "learning_rate"),
+     (TargetPOConfig, "tpo_target_temprature", "tpo_target_temperature")],
+)
+def test_a_misspelt_field_is_refused_naming_the_field_meant(tmp_path, config_class, given, meant):
+    with pytest.raises(TypeError) as error:
+        config_class(output_dir=str(tmp_path), **{given: 1})
+    # The dataclass's own message, as its generated __init__ words it, then the field meant, named first.
+    with pytest.raises(TypeError) as bare:
+        config_class.__init__(object.__new__(config_class), **{given: 1})
+    assert str(error.value).startswith(f"{bare.value}. Did you mean '{meant}'")
+
+
+def test_a_name_close_to_no_field_keeps_the_dataclass_message(tmp_path):
+    with pytest.raises(TypeError) as error:
+        config(tmp_path, zzyzx=1)
+    with pytest.raises(TypeError) as bare:
+        TargetPOConfig.__init__(object.__new__(TargetPOConfig), zzyzx=1)
+    assert str(error.value) == str(bare.value)

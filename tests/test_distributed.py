@@ -80,6 +80,35 @@ def test_fsdp2_generation_gather_and_frozen_model_sharding(tmp_path):
         assert result["frozen_logits_match"]
 
 
+# A process whose gloo group is still up when Python starts tearing down can abort after a run that succeeded: a
+# collective finished by gloo's worker thread during the teardown releases its tensors without Python to do it
+# ("terminate called without an active exception"). The trainer has the group destroyed by an atexit handler, before
+# that teardown; atexit runs handlers newest first, so one registered before the trainer's runs after it.
+GROUP_AT_TEARDOWN = """
+import atexit, sys
+import torch.distributed as dist
+from targetpo import TargetPOConfig, TargetPOTrainer
+from targetpo.demo import build_tiny_causal_lm, exact_reversal_reward, reverse_task_dataset, reverse_task_tokenizer
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+atexit.register(lambda: print("group up after the trainer's handler:", dist.is_initialized()))
+tokenizer = reverse_task_tokenizer()
+TargetPOTrainer(
+    build_tiny_causal_lm(tokenizer, seed=0), exact_reversal_reward, train_dataset=reverse_task_dataset(num_prompts=8),
+    processing_class=tokenizer, args=TargetPOConfig(output_dir=sys.argv[2], report_to="none", use_cpu=True),
+)
+"""
+
+
+def test_the_trainer_has_its_gloo_group_destroyed_before_the_interpreter_tears_down(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", GROUP_AT_TEARDOWN, str(tmp_path / "rendezvous"), str(tmp_path / "out")],
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "group up after the trainer's handler: False" in result.stdout, result.stdout[-2000:]
+
+
 def test_fsdp_version_1_is_refused_with_the_fix():
     from types import SimpleNamespace
 

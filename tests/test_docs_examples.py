@@ -1,11 +1,14 @@
 """The docs' complete examples, run as written.
 
-A ```python block in docs/*.md preceded by ``<!-- runnable -->`` is complete and offline: it runs here in a fresh
-namespace inside a temporary folder, with ``TargetPOConfig`` held to two logged steps (a user's copy trains for the
-steps it names). A block preceded by ``<!-- needs the Hub -->`` is complete but loads a model from the Hub, which the
-tests cannot reach (the one boundary replaced here): it runs with its model id pointing at a local tiny model saved
-with ``tool_calling_tokenizer()``. ``<!-- fragment -->`` marks a part of a script (it names things it does not
-define) that is not run. Every block that trains carries one of the three marks.
+A ```python block in README.md or docs/*.md preceded by ``<!-- runnable -->`` is complete and offline: it runs here in
+a fresh namespace inside a temporary folder, with ``TargetPOConfig`` held to two logged steps (a user's copy trains for
+the steps it names). A block preceded by ``<!-- needs the Hub -->`` is complete but loads a model or a dataset from
+the Hub, which the tests cannot reach (the one boundary replaced here): it runs with each model id pointing at a tiny
+chat model saved by ``targetpo.demo.save_tiny_chat_model`` (the offline path its docs name beside it; a
+vision-language model's at a tiny one saved from a config) and each Hub dataset replaced by local rows, with the
+lengths it sets. ``<!-- fragment -->`` marks a part of a script (it names
+things it does not define) that is not run. Every block that trains carries one of the three marks, and every block
+that loads from the Hub is marked as needing it.
 
 The untrained tiny model almost never writes a well-formed tool call, so the checks that calls happen run the
 examples a second time with ``ScriptedPolicy`` (the public rollout-backend interface, writing given turns) in place of
@@ -24,7 +27,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -33,11 +36,20 @@ from safetensors.torch import load_file
 
 import targetpo
 from targetpo import TargetPOConfig, TargetPOTrainer
-from targetpo.demo import build_tiny_causal_lm, tool_calling_tokenizer
+from targetpo.demo import TINY_CHAT_MODEL_POSITIONS, save_tiny_chat_model
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+REPOSITORY = Path(__file__).resolve().parents[1]
+DOCS = REPOSITORY / "docs"
 MARKS = {"<!-- runnable -->": "runnable", "<!-- needs the Hub -->": "hub", "<!-- fragment -->": "fragment"}
-HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+#: The Hub models the examples load, each replaced by the tiny chat model (a reward model's id too: it loads as a
+#: sequence classifier with a new score head).
+HUB_MODELS = ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B", "my-org/my-reward-model")
+#: The Hub vision-language models, replaced by a tiny one saved from a config (the docs name the way: a saved folder).
+HUB_VISION_MODELS = ("Qwen/Qwen2.5-VL-3B-Instruct",)
+#: The Hub datasets the examples load, and the local rows in their place.
+HUB_DATASETS = {"my-org/prompts": {"prompt": ["Explain TPO.", "What is a group?"] * 32}}
+#: A model or dataset id where an example loads one: ``model="org/name"``, ``from_pretrained("org/name"``, ...
+HUB_LOAD = re.compile(r"""(?:model=|TargetPOTrainer\(|from_pretrained\(|load_dataset\()\s*["']([\w.-]+/[\w.-]+)["']""")
 
 
 @dataclass
@@ -46,22 +58,27 @@ class Block:
     line: int
     mark: str | None
     code: str
+    before: str  # the text between the previous code block and this one
 
     def __str__(self):
         return f"{self.doc}:{self.line}"
 
 
 def python_blocks():
-    """Every ```python block of docs/*.md with the mark on the line before it (blank lines skipped)."""
-    for path in sorted(DOCS.glob("*.md")):
+    """Every ```python block of README.md and docs/*.md with the mark on the line before it (blank lines skipped)."""
+    for path in [REPOSITORY / "README.md", *sorted(DOCS.glob("*.md"))]:
         lines = path.read_text().splitlines()
-        for start, line in enumerate(lines):
-            if line.strip() != "```python":
+        start, previous_end = 0, 0
+        while start < len(lines):
+            if not lines[start].strip().startswith("```"):
+                start += 1
                 continue
             end = next(index for index in range(start + 1, len(lines)) if lines[index].strip() == "```")
-            before = next((text.strip() for text in reversed(lines[:start]) if text.strip()), "")
-            code = textwrap.dedent("\n".join(lines[start + 1 : end]))
-            yield Block(path.name, start + 1, MARKS.get(before), code)
+            if lines[start].strip() == "```python":
+                mark = next((text.strip() for text in reversed(lines[:start]) if text.strip()), "")
+                code = textwrap.dedent("\n".join(lines[start + 1 : end]))
+                yield Block(path.name, start + 1, MARKS.get(mark), code, "\n".join(lines[previous_end:start]))
+            start = previous_end = end + 1
 
 
 BLOCKS = list(python_blocks())
@@ -80,24 +97,115 @@ def find(blocks, *needles):
 def test_every_example_that_trains_is_marked_runnable_or_needing_the_hub():
     unmarked = [str(block) for block in BLOCKS if ".train()" in block.code and block.mark is None]
     assert not unmarked, f"mark these <!-- runnable -->, <!-- needs the Hub --> or <!-- fragment -->: {unmarked}"
+    assert len(RUNNABLE) >= 3 and len(HUB) >= 8
+
+
+def test_every_example_that_loads_from_the_hub_runs_offline_with_the_path_its_docs_name():
+    for block in BLOCKS:
+        ids = HUB_LOAD.findall(block.code)
+        if not ids:
+            continue
+        assert block.mark == "hub", f"{block} loads {ids} from the Hub: mark it <!-- needs the Hub --> to have it run"
+        unknown = set(ids) - set(HUB_MODELS) - set(HUB_VISION_MODELS) - set(HUB_DATASETS)
+        assert not unknown, f"{block}: add {unknown} to HUB_MODELS or HUB_DATASETS, with what stands in for it"
+        if set(ids) & set(HUB_MODELS):
+            assert "save_tiny_chat_model" in block.before, f"{block}: name the offline path, save_tiny_chat_model"
+        if set(ids) & set(HUB_VISION_MODELS):
+            assert "save_pretrained" in block.before, f"{block}: name the offline path, a folder saved locally"
+        if set(ids) & set(HUB_DATASETS):
+            assert "Dataset.from_dict" in block.before, f"{block}: name the local rows that replace the Hub dataset"
     for block in HUB:
-        assert HUB_MODEL in block.code, f"{block}: the stand-in replaces {HUB_MODEL} only"
-    assert len(RUNNABLE) >= 2 and len(HUB) >= 3
+        assert HUB_LOAD.search(block.code), f"{block} is marked as needing the Hub but loads nothing from it"
 
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
-    """A local tiny model and tool-calling tokenizer, saved as a Hub model would be, for the Hub examples."""
-    directory = tmp_path_factory.mktemp("stand-in")
-    tokenizer = tool_calling_tokenizer()
-    build_tiny_causal_lm(tokenizer, max_positions=1024).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    """The tiny chat model the docs name for running the Hub examples offline."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("stand-in") / "tiny-chat")
 
 
-def run_block(block, monkeypatch, tmp_path, stand_in=None, policy=None, **settings):
+@pytest.fixture(scope="module")
+def vision_stand_in(tmp_path_factory):
+    """A tiny LLaVA-NeXT and its processor, saved as a Hub model is, for the examples with images."""
+    pytest.importorskip("PIL", reason="the examples with images need Pillow: pip install pillow")
+    from vlm_models import build_tiny_vlm
+
+    directory = tmp_path_factory.mktemp("vision-stand-in")
+    model, processor = build_tiny_vlm("llava_next")
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory)
+
+
+def stand_ins(block, request):
+    """Each Hub model ``block`` loads -> the local folder in its place."""
+    models = dict.fromkeys(HUB_MODELS, request.getfixturevalue("stand_in"))
+    if any(model in block.code for model in HUB_VISION_MODELS):
+        models.update(dict.fromkeys(HUB_VISION_MODELS, request.getfixturevalue("vision_stand_in")))
+    return models
+
+
+def written_length(block, name):
+    """The ``name`` length ``block`` sets, or the config's default."""
+    written = re.search(rf"{name}=(\d+)", block.code)
+    return int(written.group(1)) if written else next(f.default for f in fields(TargetPOConfig) if f.name == name)
+
+
+def test_the_tiny_chat_model_loads_with_the_auto_classes_and_renders_tools(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = save_tiny_chat_model(tmp_path / "tiny-chat")
+    assert path == str((tmp_path / "tiny-chat").resolve())
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Positions for a prompt and a completion of every Hub example's lengths (as it sets them, or the defaults).
+    needed = max(written_length(block, "max_prompt_length") + written_length(block, "max_completion_length")
+                 for block in HUB)  # fmt: skip
+    assert model.config.max_position_embeddings == TINY_CHAT_MODEL_POSITIONS >= needed
+    # One token per character, spaces and newlines kept (a model type whose own tokenizer class AutoTokenizer prefers
+    # would split and drop them).
+    text = "Hello, World!\n  12 times 7"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text
+
+    def multiply(a: float, b: float) -> float:
+        """Multiply two numbers.
+
+        Args:
+            a: the first factor.
+            b: the second factor.
+        """
+        return a * b
+
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    messages = [
+        {"role": "user", "content": "What is 6 times 7?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tools=[multiply], tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        '<tools>multiply<user>What is 6 times 7?<assistant><tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}'
+        "</tool_call><eos><tool>42<assistant>"
+    )
+    assert tokenizer.convert_ids_to_tokens(tokenizer(rendered)["input_ids"])[-1] == "<assistant>"  # a single token
+    assert tokenizer.eos_token == "<eos>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def local_load_dataset(path, *args, split=None, streaming=False, **kwargs):
+    """``datasets.load_dataset`` for the Hub datasets the examples load: their local rows."""
+    from datasets import Dataset, DatasetDict
+
+    assert path in HUB_DATASETS, f"an example loads {path!r}, which has no local rows in HUB_DATASETS"
+    dataset = Dataset.from_dict(HUB_DATASETS[path])
+    dataset = dataset.to_iterable_dataset() if streaming else dataset
+    return dataset if split is not None else DatasetDict(train=dataset)
+
+
+def run_block(block, monkeypatch, tmp_path, models=None, policy=None, **settings):
     """Run ``block`` in a fresh namespace inside ``tmp_path`` for two logged steps; return its namespace and the
-    environments it made. ``policy`` (conversation so far -> the model's next turn) replaces the model's sampling."""
+    environments it made. ``models`` maps the Hub models it loads to local folders (its Hub datasets are then local
+    rows); ``policy`` (conversation so far -> the model's next turn) replaces the model's sampling."""
     made = []
 
     def few_steps(*args, **kwargs):
@@ -120,8 +228,11 @@ def run_block(block, monkeypatch, tmp_path, stand_in=None, policy=None, **settin
                 self.rollout_backend = ScriptedPolicy(self.processing_class, policy)
 
     code = block.code
-    if stand_in is not None:
-        code = code.replace(repr(HUB_MODEL), repr(str(stand_in))).replace(f'"{HUB_MODEL}"', repr(str(stand_in)))
+    if models is not None:
+        for model, folder in models.items():
+            code = code.replace(repr(model), repr(folder)).replace(f'"{model}"', repr(folder))
+        monkeypatch.setattr("datasets.load_dataset", local_load_dataset)
+        assert not set(HUB_LOAD.findall(code)) - set(HUB_DATASETS), "a Hub model was left in place"
     monkeypatch.setattr(targetpo, "TargetPOConfig", few_steps)
     monkeypatch.setattr(targetpo, "TargetPOTrainer", Trainer)
     monkeypatch.chdir(tmp_path)
@@ -137,20 +248,24 @@ def step_logs(trainer):
     return logs
 
 
-# A Hub example's completions are capped on the stand-in: a random model fills all of them.
-HUB_SETTINGS = dict(max_completion_length=320)
+def check_lengths_as_written(block, trainer):
+    """The example trained with the lengths it sets, or the defaults (the stand-in has positions enough for them)."""
+    for name in ("max_completion_length", "max_prompt_length"):
+        assert getattr(trainer.args, name) == written_length(block, name), name
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=str)
-def test_runnable_examples_train_as_written(block, monkeypatch, tmp_path):
+def test_runnable_examples_run_as_written(block, monkeypatch, tmp_path):
     namespace, _ = run_block(block, monkeypatch, tmp_path)
-    step_logs(namespace["trainer"])
+    if ".train()" in block.code:
+        step_logs(namespace["trainer"])
 
 
 @pytest.mark.parametrize("block", HUB, ids=str)
-def test_hub_examples_train_with_a_local_model_in_place_of_the_hubs(block, monkeypatch, tmp_path, stand_in):
-    namespace, _ = run_block(block, monkeypatch, tmp_path, stand_in, **HUB_SETTINGS)
+def test_hub_examples_train_with_a_local_model_in_place_of_the_hubs(block, monkeypatch, tmp_path, request):
+    namespace, _ = run_block(block, monkeypatch, tmp_path, stand_ins(block, request))
     step_logs(namespace["trainer"])
+    check_lengths_as_written(block, namespace["trainer"])
 
 
 # ------------------------------------------------------------------------------------- tool calls, forced
@@ -183,10 +298,11 @@ TOOL_BLOCKS = [find(RUNNABLE, "tools=[multiply, convert]"), find(HUB, "tools=[mu
 
 
 @pytest.mark.parametrize("block", TOOL_BLOCKS, ids=str)
-def test_the_tool_examples_run_their_tools_and_reward_the_right_answer(block, monkeypatch, tmp_path, stand_in):
+def test_the_tool_examples_run_their_tools_and_reward_the_right_answer(block, monkeypatch, tmp_path, request):
     hub = block.mark == "hub"
-    settings = HUB_SETTINGS if hub else {}
-    namespace, _ = run_block(block, monkeypatch, tmp_path, stand_in if hub else None, calculator_policy(), **settings)
+    namespace, _ = run_block(
+        block, monkeypatch, tmp_path, stand_ins(block, request) if hub else None, calculator_policy()
+    )
     for logs in step_logs(namespace["trainer"]):
         # Half the samples: multiply (84), convert (90.72), answer; reward 1. Half: convert to JPY, which raises
         # KeyError inside the tool, answered with an error message, then an answer without the number; reward 0.
@@ -227,14 +343,17 @@ ENVIRONMENT_BLOCKS = [find(RUNNABLE, "environment_factory=GuessingGame"), find(H
 
 
 @pytest.mark.parametrize("block", ENVIRONMENT_BLOCKS, ids=str)
-def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(
-    block, monkeypatch, tmp_path, stand_in
-):
+def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(block, monkeypatch, tmp_path, request):
     hub = block.mark == "hub"
     write_guess = (lambda number: hermes_call("guess", number=number)) if hub else str
-    settings = {**(HUB_SETTINGS if hub else {}), "log_completions": True, "num_completions_to_print": 1}
+    settings = {"log_completions": True, "num_completions_to_print": 1}
     namespace, games = run_block(
-        block, monkeypatch, tmp_path, stand_in if hub else None, halving_policy(write_guess), **settings
+        block,
+        monkeypatch,
+        tmp_path,
+        stand_ins(block, request) if hub else None,
+        halving_policy(write_guess),
+        **settings,
     )
     trainer = namespace["trainer"]
     rows = trainer.args.per_device_train_batch_size
@@ -345,7 +464,7 @@ def script_commands(doc, heading):
 
 @pytest.mark.parametrize(
     "doc, heading, count",
-    [("trainer.md", "## Trackers: wandb and trackio", 2), ("distributed.md", "### Several machines", 2)],
+    [("trainer.md", "## Trackers: wandb, trackio and tensorboard", 3), ("distributed.md", "### Several machines", 2)],
 )
 def test_the_docs_command_lines_use_the_example_scripts_own_flags(tmp_path, doc, heading, count):
     from test_example import load_example

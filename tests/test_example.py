@@ -14,8 +14,12 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
+from test_cli import flag_names, help_sections
 from transformers import BitsAndBytesConfig, GenerationConfig
 
+from targetpo import TargetPOConfig
+from targetpo.cli import TRAINER_FLAG_GROUP
+from targetpo.config import FLAG_GROUPS
 from targetpo.demo import (
     binary_only_generation_kwargs,
     build_tiny_causal_lm,
@@ -645,11 +649,50 @@ def test_an_unknown_dtype_is_refused_with_the_choices(tmp_path, capsys):
     assert "invalid choice: 'float64'" in capsys.readouterr().err
 
 
-def test_help_lists_every_flag():
+def test_help_lists_every_flag_once_in_sections_tpo_first():
     # argparse formats each help text with %-substitution: one stray '%' in a field's help breaks --help for all.
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "target_po.py"), "--help"], capture_output=True,
                             text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ("--use_peft", "--lora_target_modules", "--dtype", "--top_entropy_quantile", "--loss_type",
-                 "--dataset_streaming"):
-        assert flag in result.stdout, flag
+    example = load_example()
+    sections = {title: listed for title, listed in help_sections(result.stdout).items() if listed}
+    assert list(sections) == [*FLAG_GROUPS, TRAINER_FLAG_GROUP]  # TPO first; no flag left under "options"
+    listed = [name for names in sections.values() for name in names]
+    assert sorted(listed) == sorted(flag_names(example.ScriptArguments, TargetPOConfig, example.ModelArguments))
+    # The script's own flags beside the library's of the same concern.
+    assert {"model_name_or_path", "dtype", "use_peft", "model_init_kwargs"} <= set(sections["model"])
+    assert {"dataset_name", "task", "shuffle_dataset"} <= set(sections["data"])
+    assert {"reward_funcs", "reward_weights"} <= set(sections["rewards"])
+
+
+def refused_on_the_command_line(flags: list[str]) -> str:
+    """The script's stderr when it refuses `flags`: argparse's usage line and one error line, no traceback."""
+    result = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(result.stderr.splitlines()) == 2 and result.stderr.startswith("usage:"), result.stderr[-3000:]
+    return result.stderr.splitlines()[-1]
+
+
+def test_a_misspelt_flag_is_one_error_naming_the_flag_meant(tmp_path):
+    error = refused_on_the_command_line(["--num_generation", "4", "--output_dir", str(tmp_path)])
+    assert error.endswith("error: --num_generation is not a flag: did you mean --num_generations, "
+                          "--num_generations_eval or --num_iterations?")
+
+
+def test_a_refused_setting_is_the_config_s_message_without_a_traceback(tmp_path):
+    with pytest.raises(ValueError) as raised:
+        TargetPOConfig(output_dir=str(tmp_path), tpo_target_temperature=0.0)
+    error = refused_on_the_command_line(["--tpo_target_temperature", "0", "--output_dir", str(tmp_path)])
+    assert error.endswith(f"error: {raised.value}")
+
+
+def test_abbreviations_are_refused_naming_the_flags_meant(tmp_path, capsys):
+    example = load_example()
+    with pytest.raises(SystemExit) as refused:
+        example.parse_arguments(["--lr", "1e-5", "--output_dir", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "error: --lr is not a flag: did you mean --learning_rate, " in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a flag's beginning is no longer read as the flag
+        example.parse_arguments(["--tpo_target_temp", "0.5", "--output_dir", str(tmp_path)])
+    assert "did you mean --tpo_target_temperature" in capsys.readouterr().err

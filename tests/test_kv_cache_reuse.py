@@ -132,6 +132,27 @@ def test_a_call_outside_a_session_and_a_sliding_window_cache_re_prefill():
     assert backend.cache_reuse.continued_turns == max(rollout.turns) - 1 and backend._turn_cache is None
 
 
+def test_a_generate_that_returns_the_bare_sequences_re_prefills_every_turn_and_says_why(monkeypatch):
+    """A wrapped or patched ``model.generate`` (scripts patch it to force tool calls) may return the sequences alone
+    whatever it is asked for: there is no cache to continue, so every turn re-prefills and gives that rollout."""
+    from targetpo.generation.transformers_backend import PLAIN_TENSOR_OUTPUT
+
+    tokenizer = guessing_tokenizer()
+    model = scripted_model(tokenizer)
+    prefilled, _, _, _ = play(model, tokenizer, False, greedy=True)
+    generate = model.generate
+
+    def sequences_only(*args, **kwargs):
+        output = generate(*args, **kwargs)
+        return output if torch.is_tensor(output) else output.sequences
+
+    monkeypatch.setattr(model, "generate", sequences_only)
+    bare, _, backend, _ = play(model, tokenizer, True, greedy=True)
+    assert max(bare.turns) >= 4
+    assert_same_rollout(bare, prefilled)
+    assert backend.cache_reuse.continued_turns == 0 and backend.cache_reuse.fallback == PLAIN_TENSOR_OUTPUT
+
+
 def test_settings_that_change_the_cache_or_the_decoding_are_refused_for_continuation():
     from targetpo.generation.kv_cache import continuation_problem
 

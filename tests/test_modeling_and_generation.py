@@ -115,6 +115,91 @@ def test_chunked_head_only_where_logits_are_the_plain_head_output(tiny_model):
     assert not supports_chunked_head(tiny_model)
 
 
+def tiny_bert_family_decoder(tokenizer, architecture):
+    """A BERT-family ``*ForCausalLM`` model from a config: its prediction head transforms the final hidden states
+    (dense, activation, LayerNorm) before the ``Linear`` that ``get_output_embeddings()`` gives."""
+    from transformers import BertConfig, BertLMHeadModel, RobertaConfig, RobertaForCausalLM
+
+    config_class, model_class = {"bert": (BertConfig, BertLMHeadModel), "roberta": (RobertaConfig, RobertaForCausalLM)}[
+        architecture
+    ]
+    config = config_class(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=160, is_decoder=True, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_class(config)
+
+
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+def test_a_head_that_transforms_the_hidden_states_first_gets_the_full_logits_with_a_warning(
+    tmp_path, tokenizer, architecture
+):
+    """The chunked, Triton and Liger heads apply only ``get_output_embeddings()`` to the final hidden states, which
+    skips a BERT-family prediction head's transform: a probe of the model's own logits (once per model) finds it,
+    the trainer computes its log-probs from the full logits, as ``log_softmax(model(...).logits)``, and says so."""
+    import reference as ref
+    from conftest import count_letters_reward, make_config
+    from datasets import Dataset
+
+    from targetpo import TargetPOTrainer
+    from targetpo.modeling.logps import liger_head_problem, triton_head_problem
+
+    model = tiny_bert_family_decoder(tokenizer, architecture)
+    name = type(model).__name__
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    assert not supports_chunked_head(model) and not supports_chunked_head(model)
+    assert len(calls) == 1  # the probe's forward pass runs once per model, whatever asks
+    assert "not its output head (Linear) applied to its final hidden states" in triton_head_problem(model)
+    assert "not its output head" in liger_head_problem(model)
+
+    args = make_config(tmp_path, logps_chunk_size=512)  # asked for: the default
+    dataset = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    announced = rf"logps_chunk_size=512: {name}'s log-probs are computed from one full logits tensor.*not its output"
+    with pytest.warns(UserWarning, match=announced):
+        trainer = TargetPOTrainer(
+            model, count_letters_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+    assert trainer._logps.chunk_size is None
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+    mask = inputs[3].bool()
+    model.eval()  # no dropout: the two computations see the same network
+    with torch.no_grad():
+        got = trainer._logps(model, batch).per_token
+        expected, _ = ref.token_logps(model, *inputs)
+        chunked, _ = completion_logps(model, *inputs, chunk_size=512)  # what the chunked head would have given
+    assert torch.allclose(got[mask], expected[mask], atol=1e-5)
+    assert (chunked[mask] - expected[mask]).abs().max() > 0.05  # the values the probe keeps out
+
+
+def test_a_plain_head_keeps_the_chunked_head_without_a_warning(tmp_path, tiny_model, tokenizer):
+    import warnings
+
+    import reference as ref
+    from conftest import count_letters_reward, make_config
+    from datasets import Dataset
+
+    from targetpo import TargetPOTrainer
+
+    args = make_config(tmp_path, logps_chunk_size=512)
+    dataset = Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*logps_chunk_size")
+        trainer = TargetPOTrainer(
+            tiny_model, count_letters_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+    assert trainer._logps.chunk_size == 512
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
+    mask = inputs[3].bool()
+    with torch.no_grad():
+        got = trainer._logps(tiny_model, batch).per_token
+        expected, _ = ref.token_logps(tiny_model, *inputs)
+    assert torch.allclose(got[mask], expected[mask], atol=1e-5)
+
+
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["entropy-metric", "entropy-bonus"])
 def test_the_linear_heads_gradient_is_the_closed_form(entropy_grad):
     """The chunked head's hand-written backward pass against d log p_y / dz = onehot(y) - p and

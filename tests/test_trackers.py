@@ -1,8 +1,10 @@
-"""``report_to`` with wandb and trackio: the metrics and the completions table reach both, offline.
+"""``report_to`` with wandb, trackio and tensorboard: the metrics reach each, and the completions table wandb and
+trackio, offline.
 
-Neither package is a dependency of targetpo: each test is skipped, saying so, when its tracker is not installed.
-wandb runs with ``WANDB_MODE=offline`` (its run folder holds each logged table as JSON); trackio keeps its runs in a
-local SQLite database. Both are real: nothing is mocked.
+None of them is a dependency of targetpo (wandb and tensorboard come with the `test` extra): each test is skipped,
+saying so, when its tracker is not installed. wandb runs with ``WANDB_MODE=offline`` (its run folder holds each logged
+table as JSON); trackio keeps its runs in a local SQLite database; tensorboard writes event files, read back here with
+tensorboard's own reader. All are real: nothing is mocked.
 """
 
 import json
@@ -147,3 +149,23 @@ def test_trackio_gets_the_metrics_and_one_completions_table_per_rollout_at_the_m
     # Each table sits at the step of the metrics it was logged with, so trackio's steps stay one per log.
     assert [step for step, _ in tables] == [metric_steps[1], metric_steps[2]]
     assert all(not math.isnan(entry["loss"]) for entry in logged)
+
+
+def test_tensorboard_gets_every_metric_at_its_step_in_the_output_dir(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = train_reporting_to("tensorboard", tmp_path, [])
+    (run,) = Path(trainer.args.output_dir, "runs").iterdir()  # transformers' default: <output_dir>/runs/<date>_<host>
+    events = EventAccumulator(str(run))
+    events.Reload()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2
+    numbers = [name for name, value in logged[0].items() if name != "step" and isinstance(value, (int, float))]
+    assert {"reward", "tpo/informative_group_fraction", "completions/mean_length"} <= set(numbers)
+    assert {f"train/{name}" for name in numbers} <= set(events.Tags()["scalars"])
+    for name in numbers:  # every log that held it (`epoch` is in the run's closing summary too)
+        expected = [(entry["step"], entry[name]) for entry in trainer.state.log_history if name in entry]
+        scalars = [(scalar.step, scalar.value) for scalar in events.Scalars(f"train/{name}")]
+        assert [step for step, _ in scalars] == [step for step, _ in expected], name
+        assert [value for _, value in scalars] == pytest.approx([value for _, value in expected], rel=1e-6), name

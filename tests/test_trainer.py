@@ -429,7 +429,7 @@ def test_resume_mid_rollout_serves_each_batch_its_own_rollout(tmp_path, tokenize
     def run(out, resume=None, **overrides):
         model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
         args = make_config(out, per_device_train_batch_size=4, num_iterations=2, gradient_accumulation_steps=5,
-                           max_steps=3, **overrides)
+                           steps_per_generation=1, max_steps=3, **overrides)
         trainer = TargetPOTrainer(model, count_letters_reward, args=args, train_dataset=data, processing_class=tokenizer)
         trainer.train(resume_from_checkpoint=resume)
         return trainer

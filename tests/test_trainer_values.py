@@ -269,7 +269,8 @@ def few_letters(tokenizer):
         # Two epochs over each rollout: q stays the one built from the rollout's weights.
         dict(num_iterations=2, max_steps=4, tpo_length_normalize_logps=False),
         # Two rollouts in one optimiser step, with invalid (truncated) members.
-        dict(gradient_accumulation_steps=2, mask_truncated_completions=True, max_completion_length=3),
+        dict(gradient_accumulation_steps=2, steps_per_generation=1, mask_truncated_completions=True,
+             max_completion_length=3),
     ],
     ids=["default", "temperatures-and-sums", "full-logits-path", "accumulated-step-batches", "rollout-serves-two-steps",
          "two-epochs", "two-rollouts-with-invalid-members"],

@@ -107,6 +107,25 @@ def test_padded_engine_completions_mask_eos_and_truncation():
     assert torch.allclose(completions.sampler_logps, torch.tensor([[-0.1, -0.2, 0], [-0.3, -0.4, -0.5], [0, 0, 0]]))
 
 
+def test_values_that_cannot_be_log_probs_are_told_apart_from_log_probs():
+    from targetpo.generation.vllm_server import logprobs_problem
+
+    def top_five(values):
+        return values.topk(5).values.tolist()
+
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
+    # Log-probs pass, even where five tokens hold (nearly) all the probability: a peaked distribution, a vocabulary of
+    # five, in float32 as a server computes them.
+    for distribution in (logits, logits * 20, logits[:5], torch.tensor([30.0, 0, 0, 0, 0])):
+        assert logprobs_problem(top_five(torch.log_softmax(distribution, dim=-1))) is None
+    # Logits do not: some above 0, or (all below 0) probabilities summing above 1.
+    assert "above 0" in logprobs_problem(top_five(logits))
+    assert "sum to" in logprobs_problem([-0.1, -0.2, -0.3, -0.5, -0.9])
+    # All the probability of a five-token vocabulary, shifted up by a hundredth: more than rounding.
+    shifted = torch.log_softmax(logits[:5], dim=-1) + 0.01
+    assert shifted.max() < 0 and "sum to 1.01" in logprobs_problem(top_five(shifted))
+
+
 def lora_policy(dtype, **lora_settings):
     from peft import LoraConfig, get_peft_model
 
@@ -125,6 +144,9 @@ def test_engine_weights_of_a_lora_policy_are_exactly_peft_merge_and_unload_and_l
     before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
     expected = copy.deepcopy(policy).merge_and_unload().state_dict()  # the reference: PEFT's own merge, on a copy
 
+    # The head, tied to the embeddings that LoRA adapts, computes with the embeddings' unmerged weight, which
+    # merge_and_unload (merging the shared tensor for both) would replace.
+    expected["lm_head.weight"] = policy.get_output_embeddings().weight
     weights = dict(export_for_engine(policy))
     assert set(weights) == set(expected)  # checkpoint names, no adapter tensors
     for name, tensor in weights.items():
@@ -147,8 +169,8 @@ def test_engine_weights_of_a_lora_policy_are_made_one_at_a_time():
         if tensor.untyped_storage().data_ptr() not in model_storages:  # a merged copy, not the model's own tensor
             merged.append(weakref.ref(tensor))
         del tensor
-    # q and v of both layers (weights and biases), the embedding and the head tied to it.
-    assert len(merged) == 2 * 2 * 2 + 2
+    # q and v of both layers (weights and biases) and the embedding; the head tied to it computes with it unmerged.
+    assert len(merged) == 2 * 2 * 2 + 1
     assert earlier_alive == 0
 
 
@@ -173,10 +195,110 @@ def test_engine_weights_of_a_lora_policy_merge_a_layer_only_when_its_tensors_are
     for _, tensor in vllm_backend.export_for_engine(policy):
         del tensor
         most_alive = max(most_alive, sum(reference() is not None for reference in made))
-    assert len(made) >= 10 and most_alive <= 1, most_alive
+    assert len(made) >= 9 and most_alive <= 1, most_alive
+
+
+def policy_saving_modules(modules, adapter_name, tied=True, **lora_settings):
+    """A LoRA policy that trains copies of ``modules`` (PEFT's modules_to_save) under ``adapter_name``; the copies
+    hold known weights, far from the originals'."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_tiny_causal_lm(reverse_task_tokenizer(), seed=0)
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    config = LoraConfig(**{"r": 2, "target_modules": ["q_proj"], "modules_to_save": modules, **lora_settings})
+    policy = get_peft_model(model, config, adapter_name=adapter_name)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, tensor in policy.named_parameters():
+            if f".modules_to_save.{adapter_name}." in name:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return policy
+
+
+def logits_of_exported_weights(policy, ids):
+    """Logits of a model of the policy's architecture, its head apart from its embeddings, that loads the exported
+    weights by name (every weight it has, and only those)."""
+    import copy
+
+    base = policy.get_base_model()
+    config = copy.deepcopy(base.config)
+    config.tie_word_embeddings = False
+    model = type(base)(config)
+    model.load_state_dict(dict(export_for_engine(policy)), strict=True)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize(
+    "adapter_name, modules, tied",
+    [("policy", ["lm_head"], True), ("policy", ["lm_head"], False), ("default", ["lm_head"], True),
+     ("lora_head", ["embed_tokens"], True), ("policy", ["embed_tokens"], False)],
+    ids=["head-tied", "head-untied", "head-tied-default", "embeddings-tied-lora_head", "embeddings-untied"],
+)
+def test_engine_weights_hold_the_modules_to_save_copies_under_any_adapter_name(adapter_name, modules, tied):
+    from targetpo.generation.vllm_backend import head_apart_from_embeddings
+
+    policy = policy_saving_modules(modules, adapter_name, tied)
+    ids = torch.tensor([[3, 4, 4, 3, 5, 2, 1]])
+    with torch.no_grad():
+        expected, original = policy(ids).logits, None
+        with policy.disable_adapter():
+            original = policy(ids).logits
+    assert (expected - original).abs().max() > 1  # the trained copy changes the logits
+    assert torch.allclose(logits_of_exported_weights(policy, ids), expected, atol=1e-5)
+    # A trained copy of the head or the embeddings leaves the other behind: tied in the config, apart in the policy.
+    assert head_apart_from_embeddings(policy) == tied
+    # With the adapters off, the forward pass uses the originals, and so does the export.
+    with policy.disable_adapter():
+        assert torch.allclose(logits_of_exported_weights(policy, ids), original, atol=1e-5)
+        assert not head_apart_from_embeddings(policy)
+
+
+def test_engine_weights_of_a_head_tied_to_adapted_embeddings_compute_as_the_policy():
+    """LoRA on the embeddings of a tied model: the head computes with the unmerged weight, the embeddings merged."""
+    from targetpo.generation.vllm_backend import head_apart_from_embeddings
+
+    policy = lora_policy(torch.float32)
+    ids = torch.tensor([[3, 4, 4, 3, 5, 2, 1]])
+    with torch.no_grad():
+        expected = policy(ids).logits
+    assert torch.allclose(logits_of_exported_weights(policy, ids), expected, atol=1e-5)
+    assert head_apart_from_embeddings(policy)
+    assert not head_apart_from_embeddings(lora_policy(torch.float32, target_modules=["q_proj", "v_proj"]))
+
+
+def test_a_tied_head_the_policy_computes_apart_from_its_embeddings_is_refused_in_server_mode(tmp_path):
+    # A server ties them as the model's config says; the trainer refuses before it waits for any server.
+    args = server_config(tmp_path, f"http://127.0.0.1:{free_port()}", world_size=1, vllm_server_timeout=60)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        make_trainer(args, model=policy_saving_modules(["lm_head"], "policy"))
+    assert time.monotonic() - started < 30
 
 
 # ------------------------------------------------------------------------------------------------ colocate
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_colocate_engine_samples_with_the_trained_head_of_a_policy_whose_adapter_is_not_named_default(tmp_path):
+    policy = policy_saving_modules(["lm_head"], "policy")
+    ids = torch.tensor([[3, 4, 4, 3, 5, 2, 1]])
+    with torch.no_grad():
+        trained = torch.log_softmax(policy(ids).logits, dim=-1)
+        with policy.disable_adapter():
+            assert (trained - torch.log_softmax(policy(ids).logits, dim=-1)).abs().max() > 1  # the head matters
+    trainer = make_trainer(reverse_config(tmp_path, vllm_mode="colocate", max_steps=1), model=policy)
+    try:
+        trainer.train()
+        # The engine's sampling log-probs equal the trainer's own rollout-time log-probs of the same tokens.
+        differences = logged(trainer, "vllm/logp_abs_diff")
+        assert len(differences) == 1 and differences[0] < 1e-5
+    finally:
+        trainer.close()
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
@@ -367,6 +489,23 @@ def test_a_server_reporting_raw_log_probs_is_refused_before_training(tmp_path, s
     with served_vllm(tmp_path / "model", tmp_path / "server.log", ["--logprobs-mode", "raw_logprobs"]) as raw:
         with pytest.raises(VLLMServerError, match="--logprobs-mode processed_logprobs"):
             make_trainer(server_config(tmp_path, raw, world_size=1))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_server_reporting_tempered_logits_is_refused_before_training(tmp_path):
+    """Processed logits change with temperature, as processed log-probs do; their values give them away."""
+    from vllm_serve import served_vllm
+
+    from targetpo.generation.vllm_server import VLLMServerError
+
+    tokenizer = reverse_task_tokenizer()
+    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with served_vllm(tmp_path / "model", tmp_path / "server.log", ["--logprobs-mode", "processed_logits"]) as served:
+        with pytest.raises(VLLMServerError, match="cannot be log-probs.*--logprobs-mode processed_logprobs"):
+            make_trainer(server_config(tmp_path, served, world_size=1))
 
 
 @pytest.mark.slow

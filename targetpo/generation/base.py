@@ -168,6 +168,10 @@ class RolloutBackend:
             )
         return super().__new__(cls)
 
+    def describe(self) -> str:
+        """How this backend generates, in a few words (the block printed when training starts shows it)."""
+        return type(self).__name__
+
     def generate(
         self,
         prompt_ids: torch.Tensor,

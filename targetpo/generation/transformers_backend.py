@@ -17,6 +17,12 @@ from .base import Completions, PromptImages, RolloutBackend, completion_masks
 from .kv_cache import CacheReuse, TurnCache, cache_problem, continuation_problem
 from .sampling import SamplingSettings
 
+#: Why a session re-prefills when ``model.generate`` gave back a tensor of sequences, not the output holding the cache.
+PLAIN_TENSOR_OUTPUT = (
+    "model.generate returned a plain tensor of sequences (a wrapped or patched generate?), not an output holding the "
+    "cache to continue"
+)
+
 
 class TransformersBackend(RolloutBackend):
     """Samples completions with ``model.generate`` from the policy itself: no engine, no weights of its own.
@@ -50,6 +56,9 @@ class TransformersBackend(RolloutBackend):
         self.reuse_kv_cache = reuse_kv_cache
         self.cache_reuse = CacheReuse()
         self._turn_cache: TurnCache | None = None  # the last call's cache, during a session
+
+    def describe(self) -> str:
+        return "model.generate"
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -104,13 +113,17 @@ class TransformersBackend(RolloutBackend):
                     )
             finally:
                 model.train(was_training)
-        sequences = output.sequences if keep else output
+        # A wrapped or patched generate may return the bare sequences whatever it was asked: no cache comes back.
+        plain_tensor = torch.is_tensor(output)
+        sequences = output if plain_tensor else output.sequences
         completions = completion_masks(sequences[:, prompt_ids.size(1) :], self.settings.eos_token_ids)
         reused = 0 if continued is None else continued[1]
         self.cache_reuse.continued_turns += continued is not None
         self.cache_reuse.reused_tokens += reused
         self.cache_reuse.prefilled_tokens += int(prompt_mask.sum()) - reused
-        if keep:
+        if keep and plain_tensor:
+            self.cache_reuse.fallback = PLAIN_TENSOR_OUTPUT
+        elif keep:
             self._keep(output.past_key_values, prompt_mask, sequences, completions)
         return completions
 

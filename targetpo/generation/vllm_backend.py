@@ -14,13 +14,13 @@ import gc
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..distributed import failures_reach_every_process
-from ..modeling.loading import is_peft_model
+from ..modeling.loading import is_peft_model, module_in_use
 from .base import (
     Completions,
     PromptImages,
@@ -228,37 +228,97 @@ def export_for_engine(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     low-precision base weights, and with them the adapter-free reference, drift by rounding once per step. Other
     tensors share storage with the model: use them before the weights change.
     """
-    adapted = _adapted_base_tensors(model)
     layer, merged = None, {}  # the adapted layer being exported, and its merged copies not yet handed over
-    for name, tensor in _checkpoint_tensors(model):
-        owner = adapted.get(id(tensor))  # by identity: a weight tied to an adapted one (lm_head) is merged too
-        if owner is None:
-            yield name, tensor.detach()
+    for entry in _checkpoint_tensors(model):
+        # A tensor tied to an adapted one is not merged: the module it stands for here computes with it as it is.
+        if entry.adapter_layer is None:
+            yield entry.name, entry.tensor.detach()
             continue
-        if owner is not layer or id(tensor) not in merged:
+        if entry.adapter_layer is not layer or id(entry.tensor) not in merged:
             layer, merged = None, {}  # the previous layer's copies go before the next layer's are made
-            layer, merged = owner, _merged_copies(owner)
-        yield name, merged.pop(id(tensor))
+            layer, merged = entry.adapter_layer, _merged_copies(entry.adapter_layer)
+        yield entry.name, merged.pop(id(entry.tensor))
 
 
 def engine_weight_metadata(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """Name, dtype and shape of each tensor :func:`export_for_engine` yields, in order, without merging any."""
-    return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in _checkpoint_tensors(model)]
+    return [(entry.name, entry.tensor.dtype, tuple(entry.tensor.shape)) for entry in _checkpoint_tensors(model)]
 
 
-def _adapted_base_tensors(model: nn.Module) -> dict[int, nn.Module]:
-    """The adapter layer (PEFT's tuner layer) of each base tensor an adapter changes when merged, keyed by the
-    tensor's ``id``; empty for a model without adapters."""
-    if not is_peft_model(model):
-        return {}
-    from peft.tuners.tuners_utils import BaseTunerLayer
+def head_apart_from_embeddings(model: nn.Module) -> bool:
+    """Whether the policy computes its output head with other weights than its input embeddings although its config
+    ties them: PEFT trains a copy of one (``modules_to_save``) or merges adapters into one. An engine built from the
+    config would then tie them, and sample with one of the two in place of the other."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    tied = any(getattr(config, "tie_word_embeddings", False) for config in (base.config, base.config.get_text_config()))
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if not tied or head is None or embeddings is None:
+        return False
+    return _tensors_computed_with(head) != _tensors_computed_with(embeddings)
 
-    adapted = {}
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer) and module.active_adapters:
-            for tensor in module.get_base_layer().parameters(recurse=False):
-                adapted[id(tensor)] = module
-    return adapted
+
+def _tensors_computed_with(module: nn.Module) -> set[int]:
+    """The ids of the tensors ``module``'s forward pass computes with: those of the module it stands for and, where
+    PEFT adapts that, its adapters' (tied adapters share theirs)."""
+    used, layer = _module_in_checkpoint(module)
+    return {id(tensor) for tensor in (used if layer is None else layer).parameters()}
+
+
+class _CheckpointTensor(NamedTuple):
+    """One weight an engine loads."""
+
+    name: str  # as in a Hugging Face checkpoint of the model
+    tensor: torch.Tensor  # the model's own
+    adapter_layer: nn.Module | None  # the PEFT layer whose active adapters merge into it, if any
+
+
+def _checkpoint_tensors(model: nn.Module) -> Iterator[_CheckpointTensor]:
+    """Every weight an engine loads, in the model's order, with the PEFT layer whose adapters merge into it.
+
+    PEFT's modules are read for what the forward pass computes with: an adapted layer stands for its base layer; a
+    ``modules_to_save`` wrapper for the copy it calls (whatever the adapter's name) or its original. The adapters' own
+    tensors and the copies no forward pass uses are left out.
+    """
+    # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
+    # state-dict hook would hand back shards even while the parameters are gathered for the push.
+    root = model.get_base_model() if is_peft_model(model) else model
+    for path, module, layer in _checkpoint_modules(root, ""):
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in tensors:
+            if tensor is not None and name not in module._non_persistent_buffers_set:
+                yield _CheckpointTensor(f"{path}.{name}" if path else name, tensor, layer)
+
+
+def _checkpoint_modules(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module, nn.Module | None]]:
+    """Checkpoint path, module whose own tensors stand there, and the PEFT layer adapting them, for ``module`` and
+    every module below it."""
+    module, layer = _module_in_checkpoint(module)
+    yield path, module, layer
+    for name, child in module.named_children():
+        yield from _checkpoint_modules(child, f"{path}.{name}" if path else name)
+
+
+def _module_in_checkpoint(module: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """The module whose own tensors stand at ``module``'s place in a checkpoint, and the PEFT layer whose active
+    adapters merge into them (None when none do)."""
+    layer = None
+    while True:
+        used = module_in_use(module)
+        if used is not module:
+            module = used
+        elif _is_adapter_layer(module):
+            layer = module if module.active_adapters and not module.disable_adapters else None
+            module = module.get_base_layer()
+        else:
+            return module, layer
+
+
+def _is_adapter_layer(module: nn.Module) -> bool:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return False
+    return isinstance(module, BaseTunerLayer)
 
 
 @torch.no_grad()
@@ -275,23 +335,6 @@ def _merged_copies(layer: nn.Module) -> dict[int, torch.Tensor]:
         for tensor, original in zip(tensors, saved):
             tensor.copy_(original)
         layer.merged_adapters[:] = merged_before
-
-
-def _checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint name and tensor (the model's own) of every weight an engine loads, in the model's order."""
-    # Parameters (tied ones under each of their names) and persistent buffers rather than `state_dict()`: FSDP2's
-    # state-dict hook would hand back shards even while the parameters are gathered for the push.
-    tensors = list(model.named_parameters(remove_duplicate=False))
-    for module_name, module in model.named_modules():
-        for buffer_name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
-                tensors.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
-    for source_name, tensor in tensors:
-        if "lora_" in source_name or ".original_module." in source_name:
-            continue
-        name = source_name.removeprefix("base_model.model.")
-        name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        yield name, tensor
 
 
 class VLLMColocateBackend(RolloutBackend):
@@ -316,6 +359,8 @@ class VLLMColocateBackend(RolloutBackend):
             config = copy.deepcopy(base.config)
             # A model built from a config names no architecture; the engine picks its model class by that name.
             config.architectures = config.architectures or [type(base).__name__]
+            if head_apart_from_embeddings(policy):  # the engine must hold the head the policy computes with
+                config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
             config.save_pretrained(config_dir)
             # The engine compiles a regular expression against the vocabulary, and runs a vision-language model's
             # image processor on the images itself: it needs the tokenizer (or processor) for these.
@@ -350,6 +395,9 @@ class VLLMColocateBackend(RolloutBackend):
             token_ids, token_logps = self.engine.generate(prompts, fields, seeds, **with_images)
         settings = self.settings
         return pad_completions(token_ids, token_logps, settings.pad_token_id, settings.eos_token_ids, prompt_ids.device)
+
+    def describe(self) -> str:
+        return "vLLM colocate (an engine in each training process)"
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:

@@ -15,10 +15,11 @@ import asyncio
 import base64
 import hashlib
 import io
+import math
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
@@ -44,6 +45,25 @@ from .vllm_backend import engine_weight_metadata, export_for_engine, make_sampli
 
 #: How the trainer starts the server it talks to, for error messages.
 SERVE_HINT = "`targetpo-vllm-serve --model <the policy's model> --port <port>` (see docs/vllm.md)"
+
+
+#: How far float32 rounding may take a server's log-probs above 0, and the probabilities of one position's distinct
+#: tokens above 1 in sum. Logits exceed these bounds by far more, unless all are well below 0.
+LOGPROB_ROUNDING = 1e-3
+
+
+def logprobs_problem(logprobs: Iterable[float]) -> str | None:
+    """Why ``logprobs``, the top log-probs of distinct tokens at one position, cannot be log-probs; None if they can.
+
+    A top-k holds at most all of the probability, and all but a sliver of it where the distribution is peaked (a
+    trained model's next token), so only rounding may take it above 1."""
+    values = list(logprobs)
+    if max(values) > LOGPROB_ROUNDING:
+        return f"{max(values):.4g} is above 0"
+    total = sum(math.exp(value) for value in values)
+    if total > 1 + LOGPROB_ROUNDING:
+        return f"their probabilities sum to {total:.4g}, above 1"
+    return None
 
 
 class VLLMServerError(RuntimeError):
@@ -146,9 +166,19 @@ class VLLMServerClient:
         (``--logprobs-mode processed_logprobs``): importance weights and the sampler's p_old would be off wherever
         temperature or the other sampling settings reshape it. Only processed log-probs change with temperature, so
         one token's top log-probs are asked for at two, after a prompt whose next token is not uniform (a flat
-        distribution reads the same at any temperature)."""
+        distribution reads the same at any temperature). Processed logits change with it too: their values, which
+        cannot be log-probs (:func:`logprobs_problem`), refuse them."""
         for prompt in ([0, 1, 2, 3], [3, 2, 1], [1]):  # ids every vocabulary has
             at_one, at_half = (self._top_logprobs(prompt, temperature) for temperature in (1.0, 0.5))
+            for temperature, reading in ((1, at_one), (0.5, at_half)):
+                problem = logprobs_problem(reading.values())
+                if problem is not None:
+                    raise VLLMServerError(
+                        f"The vLLM server at {self.base_url} reports values that cannot be log-probs (one token's "
+                        f"top {len(reading)} at temperature {temperature}: {problem}), so its --logprobs-mode is "
+                        "processed_logits or raw_logits: training would take logits for the sampler's log-probs. "
+                        f"Restart it with --logprobs-mode processed_logprobs, as {SERVE_HINT} does."
+                    )
             if max(at_one.values()) - min(at_one.values()) < 1e-3:
                 continue
             shared = at_one.keys() & at_half.keys()
@@ -427,6 +457,9 @@ class VLLMServerBackend(RolloutBackend):
                 # Two: an evaluation rollout need not queue behind a training rollout generated ahead.
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="targetpo-rollouts")
         _check_same_key_everywhere(api_key)
+
+    def describe(self) -> str:
+        return f"vLLM server at {self.base_url}"
 
     # ------------------------------------------------------------------------------------------ generation
     def start(

@@ -219,6 +219,21 @@ def _saves_modules(module: nn.Module) -> bool:
     return isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) and hasattr(module, "original_module")
 
 
+def module_in_use(module: nn.Module) -> nn.Module:
+    """The module a PEFT wrapper calls in its place: for ``modules_to_save``, the active adapter's trained copy (the
+    original where adapters are off or the active one has no copy here); for trainable tokens, the token adapter;
+    ``module`` itself for any other module."""
+    if _saves_modules(module):
+        active = module.active_adapters
+        if module.disable_adapters or not active or active[0] not in module.modules_to_save:
+            return module.original_module
+        return module.modules_to_save[active[0]]
+    token_adapter = getattr(module, "token_adapter", None)
+    if isinstance(token_adapter, nn.Module) and hasattr(module, "original_module"):
+        return token_adapter
+    return module
+
+
 @torch.no_grad()
 def mix_weights_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
     """``target <- alpha * source + (1 - alpha) * target``, parameter by parameter (matched by name)."""

@@ -21,7 +21,8 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from .loading import Float32OutputHead, is_peft_model, matmul_dtype
+from .loading import Float32OutputHead, matmul_dtype
+from .output_head import chunked_head_problem
 from .packing import pack_rows
 from .shared_prompt import prompt_runs, shared_prompt_hidden_states
 
@@ -79,25 +80,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4, differentiabl
 #: Output-head dtypes whose hidden states take the head's dtype (mixed precision returns them in float32); others
 #: (quantised or float8 heads) compute in their own way from what they are given.
 HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: Config attributes that change logits after the output head; models with them take the full-logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 def supports_chunked_head(model: nn.Module) -> bool:
     """Whether the model's logits are exactly ``output_embeddings(last hidden state)``, so they can be computed a
-    chunk of positions at a time from the hidden states (PEFT and distributed wrappers are looked through)."""
-    model = getattr(model, "module", model)  # DDP
-    if is_peft_model(model):
-        model = model.get_base_model()
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = getattr(model, "config", None)
-    if not isinstance(head, nn.Module) or config is None:
-        return False
-    configs = {id(config): config}
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
-    if text_config is not None:
-        configs[id(text_config)] = text_config  # composite models keep the language model's settings here
-    return all(getattr(each, name, None) in (None, 1, 1.0) for each in configs.values() for name in _LOGIT_TRANSFORMS)
+    chunk of positions at a time from the hidden states (:func:`~targetpo.modeling.output_head.chunked_head_problem`:
+    its configuration, then a probe of its forward pass once per model)."""
+    return chunked_head_problem(model) is None
 
 
 #: Earlier releases scale every token's gradient by one token's upstream gradient under ``reduction="none"``.
@@ -142,8 +131,9 @@ def require_triton(device: torch.device) -> None:
 
 def triton_head_problem(model: nn.Module) -> str | None:
     """Why the Triton kernels cannot compute this model's head (:func:`_head_in_chunks`), or None when they can."""
-    if not supports_chunked_head(model):
-        return "the model post-processes its logits after the output head"
+    problem = chunked_head_problem(model)
+    if problem is not None:
+        return problem
     head = _output_head(model)
     if type(head) is not nn.Linear:  # e.g. a LoRA-adapted or quantised head, or cast_lm_head_to_fp32's
         return f"the output head is a {type(head).__name__}, not a plain torch.nn.Linear"
@@ -156,8 +146,9 @@ def triton_head_problem(model: nn.Module) -> str | None:
 
 def liger_head_problem(model: nn.Module) -> str | None:
     """Why Liger's fused kernel cannot stand in for this model's output head, or None when it can."""
-    if not supports_chunked_head(model):
-        return "the model post-processes its logits after the output head"
+    problem = chunked_head_problem(model)
+    if problem is not None:
+        return problem
     head = _output_head(model)
     if type(head) not in (nn.Linear, Float32OutputHead):  # e.g. a LoRA-adapted or quantised head, which it would bypass
         return f"the output head is a {type(head).__name__}, not a plain torch.nn.Linear"

@@ -21,6 +21,7 @@ from ..metrics import MetricsRecorder
 from ..multi_turn import conversation_text
 from ..reporting import RolloutTable
 from ..rewards import RewardLogs, RewardScorer
+from .no_signal import NoSignalWatch
 from .records import RolloutBatch
 from .sources import SourcedRollout
 
@@ -66,6 +67,7 @@ class RolloutScorer:
         self.metrics, self.guard, self.run_async, self.sharded = metrics, guard, run_async, sharded
         self.render = render  # prompts as the completions table shows them
         self._warned_unscored = False
+        self.no_signal = NoSignalWatch.from_config(args, reward_scorer.names, speaks=accelerator.is_main_process)
 
     def score(self, sourced: SourcedRollout, state: Any, group_size: int, local: slice) -> ScoredRollout:
         """Reward, combine and whiten one rollout; ``local`` is this process's rows among every process's."""
@@ -156,7 +158,8 @@ class RolloutScorer:
     # ------------------------------------------------------------------------------------------------ metrics
     def record_metrics(self, scored: ScoredRollout, group_size: int, mode: str) -> None:
         """Completion lengths and truncation, the valid fraction, each reward function's mean and spread, and the
-        rollout's score statistics, over every process."""
+        rollout's score statistics, over every process; a training rollout without an informative group counts
+        towards the no-signal warning (``no_signal.py``)."""
         metrics, completions = self.metrics[mode], scored.sourced.completions
         # Tokens the policy wrote: in multi-turn samples, tool turns do not count.
         lengths = self.accelerator.gather(completions.loss_mask.sum(dim=1)).float()
@@ -177,6 +180,9 @@ class RolloutScorer:
             value = getattr(diagnostics, name).item()
             if not math.isnan(value):  # reward_std has none when no completion is valid
                 metrics[logged_as].append(value)
+        if mode == "train":
+            informative = diagnostics.informative_group_fraction.item()
+            self.no_signal.see(informative, diagnostics.reward.item(), truncated.mean().item())
 
     def record_reward_logs(self, logs: RewardLogs, mode: str) -> dict[str, list[Any]]:
         """Average the metrics reward functions logged over every process; return their extra columns, gathered (a

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,14 @@ from ..generation import Completions, PromptImages, unpadded_prompts
 from ..modeling.loading import max_positions
 from ..multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
 from ..rewards import REWARD_ARGUMENTS
-from ..vision import EncodedPrompts, ImagesAfterPrompt, collate_pixel_inputs, prompt_images, with_image_objects
+from ..vision import (
+    EncodedPrompts,
+    ImagesAfterPrompt,
+    collate_pixel_inputs,
+    prompt_images,
+    row_images,
+    with_image_objects,
+)
 from .prompts import PromptEncoder, RolloutPrompts
 from .scheduler import check_takes_images
 
@@ -91,6 +99,7 @@ class RolloutSource(ABC):
 
     def collect(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
         """The rollout of ``rows``: its completions, the rows' other columns for the rewards, padded as configured."""
+        rows = own_copies(rows)
         rollout = self.generate(rows, mode)
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         rollout.columns = {**columns, **rollout.columns}
@@ -115,6 +124,34 @@ class GeneratedRollouts(RolloutSource):
         prompts = self.trainer._prompt_encoder.encode(rows)
         completions = self.trainer._scheduler.completions(prompts.ids, prompts.mask, mode, prompts.images)
         return SourcedRollout(prompts.prompts, prompts.ids, prompts.mask, completions).with_images_of(prompts.encoded)
+
+
+def own_copies(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A deep copy of each row, one per sample, made once a rollout: the K samples of a prompt are served the same
+    row (a list of dicts or a torch Dataset hands out its own objects at every read, and a rollout's later uses are
+    given the rows its first use read), so an environment or reward function that changed a row value in place (a
+    board: a list of lists) would change its siblings' and the dataset's, for every later epoch.
+
+    The images of the row's image column stay shared: they are only read, and copying one costs milliseconds."""
+    return [_own_copy(row) for row in rows]  # each on its own: one deepcopy of the list would keep them shared
+
+
+def _own_copy(row: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``row`` but its images; a value that cannot be copied (a lock, an open file) is shared, with a
+    warning naming its column."""
+    memo: dict[int, Any] = {id(image): image for image in row_images(row)}
+    copied = {}
+    for column, value in row.items():
+        try:
+            copied[column] = copy.deepcopy(value, memo)
+        except Exception as error:  # noqa: BLE001 - whatever deepcopy raises, the value is shared as it is
+            warnings.warn(
+                f"The dataset column {column!r} holds a value that cannot be deep-copied ({type(error).__name__}: "
+                f"{error}): the samples of a prompt share it, so one that changes it changes it for the others.",
+                stacklevel=2,
+            )
+            copied[column] = value
+    return copied
 
 
 #: ``guard(what, local)``: the trainer's ``_failures_reach_every_process``, or nothing on a thread playing ahead.
@@ -169,7 +206,7 @@ class EpisodeRollouts(RolloutSource):
             tool_loop = trainer._tool_loop.for_another_thread() if trainer._tool_loop is not None else None
             encoder = trainer._prompt_encoder.for_another_thread()
             self._ahead_player = Player(_unguarded, encoder, tool_loop, AHEAD, True)
-        return self.play(rows, self._ahead_player)
+        return self.play(own_copies(rows), self._ahead_player)
 
     @abstractmethod
     def play(self, rows: list[dict[str, Any]], player: Player) -> Any:
@@ -195,11 +232,11 @@ class ToolRollouts(EpisodeRollouts):
 
     def play(self, rows: list[dict[str, Any]], player: Player) -> PlayedConversations:
         trainer = self.trainer
-        prompts = [row["prompt"] for row in rows]
         environments = None
-        toolboxes = [trainer._toolbox] * len(rows)
-        with player.guard("starting the environments"):
-            if trainer._environments is not None:
+        if trainer._environments is None:
+            prompts, toolboxes = [row["prompt"] for row in rows], [trainer._toolbox] * len(rows)
+        else:  # each environment's reset() adds to its row's prompt (or makes it up, for a row without one)
+            with player.guard("starting the environments"):
                 environments, prompts, toolboxes = trainer._environments.start(rows, player.lane)
         tools = [toolbox.schemas for toolbox in toolboxes]  # each row's environment shows its own tools
         encoded = player.encoder.encode(rows, prompts, tools)
@@ -220,7 +257,10 @@ class ToolRollouts(EpisodeRollouts):
     def finish(self, played: PlayedConversations, mode: str) -> SourcedRollout:
         encoded, rollout = played.encoded, played.rollout
         self._record_tool_metrics(rollout, mode, encoded.ids.device)
-        columns = {"environments": played.environments} if played.environments is not None else {}
+        columns = {}
+        if played.environments is not None:
+            columns["environments"] = played.environments
+            self.trainer._environments.latest = played.environments  # what `trainer.environments` shows
         sourced = SourcedRollout(
             encoded.prompts,
             encoded.ids,
