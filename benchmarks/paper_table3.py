@@ -534,8 +534,8 @@ def report(records: list[dict], output: Path) -> str:
     try:
         for by, rows in tables.items():
             plot(rows, by, output.with_name(f"{output.stem}_by_{'length' if by == 'H' else 'group_size'}.png"))
-    except ImportError:
-        text += "\n\nmatplotlib is not installed, so no plots were drawn (pip install matplotlib)."
+    except ImportError:  # a note, not part of the report: stdout stays the report the .md file holds
+        print("matplotlib is not installed, so no plots were drawn (pip install matplotlib).", file=sys.stderr)
     return text
 
 

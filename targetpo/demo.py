@@ -6,13 +6,15 @@ Only '0' and '1' may be emitted (:func:`binary_only_generation_kwargs`), so ever
 The multi-turn pieces: the guessing game and the lock (environments whose tool the model calls; the lock's reward is
 as sparse as the reversal's) and a tokenizer whose chat template renders plain tool functions and their calls
 (docs/multi_turn.md's offline examples). :func:`save_tiny_chat_model` saves a tiny model with that tokenizer to a
-folder, in place of a Hub model, so that every example that loads one also runs offline.
+folder, in place of a Hub model, so that every example that loads one also runs offline;
+:func:`save_tiny_vision_chat_model` does the same for a vision-language model and its processor.
 
 Everything is built locally from a config: nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import string
@@ -28,6 +30,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.processing_utils import ProcessorMixin
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 #: Enough characters for English prompts, chat markup and numbers.
@@ -40,12 +43,17 @@ CHAT_TEMPLATE = (
 
 
 def build_char_tokenizer(
-    characters: str = PRINTABLE, chat_template: str | None = CHAT_TEMPLATE, special_tokens_last: bool = False
+    characters: str = PRINTABLE,
+    chat_template: str | None = CHAT_TEMPLATE,
+    special_tokens_last: bool = False,
+    named_special_tokens: dict[str, str] | None = None,
 ) -> PreTrainedTokenizerFast:
     """A tokenizer with one token per character, plus <pad>, <eos> and <unk>, and a simple chat template.
 
     With ``special_tokens_last`` the characters take the ids 0, 1, ... in order and the special tokens follow them, so
     a model whose vocabulary is the characters alone (an output head over them only) can use it.
+    ``named_special_tokens`` adds special tokens after all of those, each also an attribute (``{"image_token":
+    "<image>"}`` gives ``tokenizer.image_token`` and ``tokenizer.image_token_id``), as multimodal processors read them.
     """
     order = (*characters, *SPECIAL_TOKENS) if special_tokens_last else (*SPECIAL_TOKENS, *characters)
     vocab: dict[str, int] = {}
@@ -55,7 +63,11 @@ def build_char_tokenizer(
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is its own piece
     backend.decoder = decoders.Fuse()  # join characters back without spaces
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        extra_special_tokens=dict(named_special_tokens or {}),
     )
     tokenizer.chat_template = chat_template
     return tokenizer
@@ -317,4 +329,117 @@ def save_tiny_chat_model(directory: str | os.PathLike, max_positions: int = TINY
     path = Path(directory).resolve()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------- a stand-in vision-language model
+def image_chat_template(image_placeholder: str) -> str:
+    """:data:`CHAT_TEMPLATE` for content that may also be a list of parts ``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}``, an image part rendering as ``image_placeholder`` (which the processor expands)."""
+    return (
+        "{% for message in messages %}<{{ message['role'] }}>"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + image_placeholder + "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+
+
+def build_tiny_vision_chat_model(
+    seed: int = 0, text_layers: int = 1, max_positions: int = TINY_CHAT_MODEL_POSITIONS
+) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """A tiny LLaVA-NeXT with random weights and its processor: ``(model, processor)``.
+
+    One text layer (Llama's) and one CLIP vision layer, hidden size 32. The vision tower reads 28x28 crops of 14-pixel
+    patches (4 features each, CLS dropped); with the grid pinpoints 28x56 and 56x28 every image is the base crop plus
+    two, so ``pixel_values`` is (images, 3 crops, 3, 28, 28), with ``image_sizes`` (images, 2). The tokenizer is
+    :func:`build_char_tokenizer`'s with an ``<image>`` token; an image part renders as ``<image>``, which the processor
+    expands to the base crop's 4 tokens plus the unpadded high-resolution grid and its row newlines (10 for a square
+    image, up to 16 otherwise). Generation never samples ``<image>`` (``generation_config.suppress_tokens``): a
+    completion holding one would not match the images of the next forward pass. Needs Pillow; nothing is downloaded.
+    """
+    if importlib.util.find_spec("PIL") is None:
+        raise ImportError("The tiny vision-language model's image processor needs Pillow: pip install pillow")
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    hidden, heads = 32, 2
+    tokenizer = build_char_tokenizer(
+        chat_template=image_chat_template("<image>"), named_special_tokens={"image_token": "<image>"}
+    )
+    pinpoints = [[28, 56], [56, 28]]  # every image: 2 crops + the base image, so pixel_values rows match
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        chat_template=tokenizer.chat_template,
+        num_additional_image_tokens=1,  # CLIP's CLS token
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=text_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        image_size=28,
+        patch_size=14,
+    )
+    config = LlavaNextConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tokenizer.image_token_id,
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-1,  # the one vision layer's output (the default -2 would skip it)
+        vision_feature_select_strategy="default",
+        image_seq_length=4,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.generation_config.suppress_tokens = [tokenizer.image_token_id]
+    return model, processor
+
+
+def save_tiny_vision_chat_model(directory: str | os.PathLike, max_positions: int = TINY_CHAT_MODEL_POSITIONS) -> str:
+    """Save a tiny vision-language chat model and its processor to ``directory``, as a Hub model is saved; return its
+    absolute path.
+
+    Use the path wherever an example names a Hub vision-language model (``"Qwen/Qwen2.5-VL-3B-Instruct"``) to run it
+    offline: the trainer loads the model and its processor from it. They are :func:`build_tiny_vision_chat_model`'s
+    (LLaVA-NeXT's architecture, random weights, a fixed seed, ``max_positions`` positions) and load with
+    ``AutoModelForImageTextToText`` and ``AutoProcessor``, whose chat template renders image parts. It shows how an
+    example is wired, not what it learns. Needs Pillow; nothing is downloaded.
+    """
+    model, processor = build_tiny_vision_chat_model(max_positions=max_positions)
+    path = Path(directory).resolve()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
     return str(path)

@@ -5,10 +5,11 @@ a fresh namespace inside a temporary folder, with ``TargetPOConfig`` held to two
 the steps it names). A block preceded by ``<!-- needs the Hub -->`` is complete but loads a model or a dataset from
 the Hub, which the tests cannot reach (the one boundary replaced here): it runs with each model id pointing at a tiny
 chat model saved by ``targetpo.demo.save_tiny_chat_model`` (the offline path its docs name beside it; a
-vision-language model's at a tiny one saved from a config) and each Hub dataset replaced by local rows, with the
+vision-language model's at ``save_tiny_vision_chat_model``'s) and each Hub dataset replaced by local rows, with the
 lengths it sets. ``<!-- fragment -->`` marks a part of a script (it names
 things it does not define) that is not run. Every block that trains carries one of the three marks, and every block
-that loads from the Hub is marked as needing it.
+that loads from the Hub is marked as needing it. A shell block whose commands name a Hub model shows beside it the
+command that saves the tiny chat model to pass in its place.
 
 The untrained tiny model almost never writes a well-formed tool call, so the checks that calls happen run the
 examples a second time with ``ScriptedPolicy`` (the public rollout-backend interface, writing given turns) in place of
@@ -36,20 +37,28 @@ from safetensors.torch import load_file
 
 import targetpo
 from targetpo import TargetPOConfig, TargetPOTrainer
-from targetpo.demo import TINY_CHAT_MODEL_POSITIONS, save_tiny_chat_model
+from targetpo.demo import TINY_CHAT_MODEL_POSITIONS, save_tiny_chat_model, save_tiny_vision_chat_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs"
 MARKS = {"<!-- runnable -->": "runnable", "<!-- needs the Hub -->": "hub", "<!-- fragment -->": "fragment"}
 #: The Hub models the examples load, each replaced by the tiny chat model (a reward model's id too: it loads as a
 #: sequence classifier with a new score head).
-HUB_MODELS = ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B", "my-org/my-reward-model")
-#: The Hub vision-language models, replaced by a tiny one saved from a config (the docs name the way: a saved folder).
+HUB_MODELS = ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-0.6B", "my-org/my-reward-model")
+#: The Hub vision-language models, each replaced by the tiny vision-language model.
 HUB_VISION_MODELS = ("Qwen/Qwen2.5-VL-3B-Instruct",)
 #: The Hub datasets the examples load, and the local rows in their place.
 HUB_DATASETS = {"my-org/prompts": {"prompt": ["Explain TPO.", "What is a group?"] * 32}}
 #: A model or dataset id where an example loads one: ``model="org/name"``, ``from_pretrained("org/name"``, ...
 HUB_LOAD = re.compile(r"""(?:model=|TargetPOTrainer\(|from_pretrained\(|load_dataset\()\s*["']([\w.-]+/[\w.-]+)["']""")
+#: A model or dataset id where a command line names one: ``--model org/name``, ``--dataset_name``, ``vllm serve``, ...
+HUB_ARGUMENT = re.compile(
+    r"(?:--model|--model_name_or_path|--dataset_name|--reward_funcs|vllm serve)[ =]+(\w[\w.-]*/[\w.-]+)"
+)
+#: Where the docs' own commands save models (``--output_dir outputs/demo-model``): local folders, not Hub ids.
+LOCAL_FOLDERS = ("outputs/",)
+#: What a shell block shows to run offline: the tiny chat model, saved to a folder passed in place of the id.
+OFFLINE_COMMAND = re.compile(r"""python -c '(from targetpo\.demo import save_tiny_chat_model; [^']*)'""")
 
 
 @dataclass
@@ -64,8 +73,9 @@ class Block:
         return f"{self.doc}:{self.line}"
 
 
-def python_blocks():
-    """Every ```python block of README.md and docs/*.md with the mark on the line before it (blank lines skipped)."""
+def code_blocks(*languages):
+    """Every code block of README.md and docs/*.md in one of ``languages`` (```python, ```bash, ...), with the mark on
+    the line before it (blank lines skipped)."""
     for path in [REPOSITORY / "README.md", *sorted(DOCS.glob("*.md"))]:
         lines = path.read_text().splitlines()
         start, previous_end = 0, 0
@@ -74,14 +84,15 @@ def python_blocks():
                 start += 1
                 continue
             end = next(index for index in range(start + 1, len(lines)) if lines[index].strip() == "```")
-            if lines[start].strip() == "```python":
+            if lines[start].strip().removeprefix("```") in languages:
                 mark = next((text.strip() for text in reversed(lines[:start]) if text.strip()), "")
                 code = textwrap.dedent("\n".join(lines[start + 1 : end]))
                 yield Block(path.name, start + 1, MARKS.get(mark), code, "\n".join(lines[previous_end:start]))
             start = previous_end = end + 1
 
 
-BLOCKS = list(python_blocks())
+BLOCKS = list(code_blocks("python"))
+SHELL_BLOCKS = list(code_blocks("bash", "sh", "shell"))
 RUNNABLE = [block for block in BLOCKS if block.mark == "runnable"]
 HUB = [block for block in BLOCKS if block.mark == "hub"]
 
@@ -111,11 +122,37 @@ def test_every_example_that_loads_from_the_hub_runs_offline_with_the_path_its_do
         if set(ids) & set(HUB_MODELS):
             assert "save_tiny_chat_model" in block.before, f"{block}: name the offline path, save_tiny_chat_model"
         if set(ids) & set(HUB_VISION_MODELS):
-            assert "save_pretrained" in block.before, f"{block}: name the offline path, a folder saved locally"
+            assert "save_tiny_vision_chat_model" in block.before, (
+                f"{block}: name the offline path, save_tiny_vision_chat_model"
+            )
         if set(ids) & set(HUB_DATASETS):
             assert "Dataset.from_dict" in block.before, f"{block}: name the local rows that replace the Hub dataset"
     for block in HUB:
         assert HUB_LOAD.search(block.code), f"{block} is marked as needing the Hub but loads nothing from it"
+
+
+def hub_arguments(block):
+    """The Hub ids ``block``'s command lines name (a folder the docs' commands save to is local)."""
+    return [name for name in HUB_ARGUMENT.findall(block.code) if not name.startswith(LOCAL_FOLDERS)]
+
+
+def test_every_command_line_that_names_a_hub_model_shows_its_offline_path():
+    named = [block for block in SHELL_BLOCKS if hub_arguments(block)]
+    assert len(named) >= 6, [str(block) for block in named]  # vLLM's server mode and security, the several machines
+    for block in named:
+        ids = set(hub_arguments(block))
+        unknown = ids - set(HUB_MODELS) - set(HUB_VISION_MODELS) - set(HUB_DATASETS)
+        assert not unknown, f"{block}: add {unknown} to HUB_MODELS or HUB_DATASETS, with what stands in for it"
+        near = block.before + block.code
+        if ids & set(HUB_MODELS):
+            assert OFFLINE_COMMAND.search(near), (
+                f"{block} names {sorted(ids)}: show the offline path beside it, the command that saves the tiny chat "
+                """model (python -c 'from targetpo.demo import save_tiny_chat_model; save_tiny_chat_model("tiny-chat")')"""
+            )
+        if ids & set(HUB_VISION_MODELS):
+            assert "save_tiny_vision_chat_model" in near, f"{block}: name the offline path, save_tiny_vision_chat_model"
+        if ids & set(HUB_DATASETS):
+            assert "JSON Lines" in near, f"{block}: name the local files that replace {sorted(ids & set(HUB_DATASETS))}"
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +163,9 @@ def stand_in(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vision_stand_in(tmp_path_factory):
-    """A tiny LLaVA-NeXT and its processor, saved as a Hub model is, for the examples with images."""
+    """The tiny vision-language model the docs name for running the examples with images offline."""
     pytest.importorskip("PIL", reason="the examples with images need Pillow: pip install pillow")
-    from vlm_models import build_tiny_vlm
-
-    directory = tmp_path_factory.mktemp("vision-stand-in")
-    model, processor = build_tiny_vlm("llava_next")
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
-    return str(directory)
+    return save_tiny_vision_chat_model(tmp_path_factory.mktemp("vision-stand-in") / "tiny-vision-chat")
 
 
 def stand_ins(block, request):
@@ -190,6 +221,46 @@ def test_the_tiny_chat_model_loads_with_the_auto_classes_and_renders_tools(tmp_p
     )
     assert tokenizer.convert_ids_to_tokens(tokenizer(rendered)["input_ids"])[-1] == "<assistant>"  # a single token
     assert tokenizer.eos_token == "<eos>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_the_tiny_vision_chat_model_loads_as_the_trainer_loads_it_and_reads_its_images(tmp_path):
+    pytest.importorskip("PIL", reason="the tiny vision-language model needs Pillow: pip install pillow")
+    import torch
+    from PIL import Image
+    from transformers import LlavaNextForConditionalGeneration
+    from transformers.processing_utils import ProcessorMixin
+
+    from targetpo.modeling.loading import load_policy, load_processing_class
+
+    path = save_tiny_vision_chat_model(tmp_path / "tiny-vision-chat")
+    assert path == str((tmp_path / "tiny-vision-chat").resolve())
+    model = load_policy(path, None)  # as the trainer loads an id or a path
+    processor = load_processing_class(model, None)
+    assert isinstance(model, LlavaNextForConditionalGeneration)
+    # A processor, which encodes images (a stand-in whose processor reloads as a plain tokenizer would train on text).
+    assert isinstance(processor, ProcessorMixin), type(processor)
+    assert model.config.text_config.max_position_embeddings == TINY_CHAT_MODEL_POSITIONS
+    tokenizer = processor.tokenizer
+    text = "What colour is the square? One word.\n  12"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text  # one token per character
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    assert image_token == model.config.image_token_index != tokenizer.unk_token_id
+    assert model.generation_config.suppress_tokens == [image_token]
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == "<user><image>Colour?\n<assistant>"
+    logits = {}
+    for colour in ("red", "blue"):
+        inputs = processor(images=Image.new("RGB", (56, 56), colour), text=rendered, return_tensors="pt")
+        # The base crop's (28 / 14)**2 = 4 features, then the two crops' features cut back to the square image's
+        # 2x2 and a newline after each of its 2 rows.
+        assert (inputs["input_ids"] == image_token).sum() == 4 + 4 + 2
+        with torch.no_grad():
+            logits[colour] = model(**inputs).logits[0, -1]
+        assert logits[colour].shape == (len(tokenizer),) and torch.isfinite(logits[colour]).all()
+    assert not torch.allclose(logits["red"], logits["blue"])  # the answer reads the image
 
 
 def local_load_dataset(path, *args, split=None, streaming=False, **kwargs):
@@ -473,3 +544,32 @@ def test_the_docs_command_lines_use_the_example_scripts_own_flags(tmp_path, doc,
     assert len(commands) == count, commands
     for words in commands:
         load_example().parse_arguments([*words, "--output_dir", str(tmp_path)])  # an unknown flag exits with an error
+
+
+@pytest.mark.slow
+def test_the_several_machines_launch_trains_offline_on_one_process_as_its_offline_line_says(tmp_path, monkeypatch):
+    """distributed.md's launch, on one CPU process: its offline line's command saves the tiny chat model, which stands
+    in for the model id, and a folder of JSON Lines files for the dataset; every other flag is the launch's own."""
+    from test_example import load_example
+
+    text = (DOCS / "distributed.md").read_text()
+    section = text[text.index("### Several machines") :]
+    save = OFFLINE_COMMAND.search(section[: section.index("```", section.index("```bash") + 3)]).group(1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", save], cwd=tmp_path, env=env, check=True, capture_output=True)
+    data = tmp_path / "prompts"
+    data.mkdir()
+    rows = [{"prompt": f"What is {n} plus {n}?", "solution": str(2 * n)} for n in range(16)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    words = script_commands("distributed.md", "### Several machines")[0]
+    local = {"Qwen/Qwen2.5-7B-Instruct": "tiny-chat", "my-org/prompts": str(data)}
+    words = [local.get(word, word) for word in words]
+    assert "tiny-chat" in words and str(data) in words, words
+    monkeypatch.chdir(tmp_path)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    quick = ["--max_steps", "2", "--max_completion_length", "8", "--logging_steps", "1", "--report_to", "none"]
+    trainer = load_example().main([*words, *quick, "--output_dir", str(tmp_path / "run"), "--disable_tqdm", "true"])
+    logs = step_logs(trainer)
+    assert all("rewards/exact_match_reward/mean" in entry for entry in logs)
+    assert trainer.args.per_device_train_batch_size == trainer.args.num_generations == 8  # the launch's own

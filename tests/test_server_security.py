@@ -17,11 +17,11 @@ from targetpo.generation.server_auth import KEY_VARIABLE, RequireKey, resolve_ap
 KEY = "s3cret-key_0123456789"
 
 
-def call(app, path, headers=(), scope_type="http", method="POST"):
+def call(app, path, headers=(), scope_type="http", method="POST", root_path=""):
     """Send one request through ``app``; return the status it answered and whether the inner app was reached."""
     sent = []
     scope = {
-        "type": scope_type, "path": path, "method": method, "root_path": "",
+        "type": scope_type, "path": path, "method": method, "root_path": root_path,
         "headers": [(name.lower().encode(), value.encode()) for name, value in headers],
     }
 
@@ -69,6 +69,113 @@ def test_the_health_checks_stay_open(path):
 def test_a_websocket_without_the_key_is_closed_before_it_opens():
     status, _ = call(RequireKey(inner_app, api_key=KEY), "/v1/realtime", scope_type="websocket")
     assert status == 1008
+
+
+def test_a_websocket_with_the_key_opens():
+    async def websocket_app(scope, receive, send):
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1000})
+
+    guard = RequireKey(websocket_app, api_key=KEY)
+    code, sent = call(guard, "/v1/realtime", [("Authorization", f"Bearer {KEY}")], scope_type="websocket")
+    assert code == 1000 and sent[0]["type"] == "websocket.accept"
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+def test_every_method_needs_the_key(method):
+    guard = RequireKey(inner_app, api_key=KEY)
+    assert call(guard, "/update_weights", method=method)[0] == 401
+    assert call(guard, "/update_weights", [("Authorization", f"Bearer {KEY}")], method=method)[0] == 200
+    assert call(guard, "/health", method=method)[0] == 200
+
+
+# Behind a proxy that serves the server under a prefix (`vllm serve --root-path /prefix`), a request's path keeps the
+# prefix (a proxy that forwards it, uvicorn's own --root-path) or not (a proxy that strips it): vLLM routes both, so
+# both must be guarded alike, and only a health check under the root path is open.
+@pytest.mark.parametrize("root_path, path, status", [
+    ("/prefix", "/prefix/health", 200), ("/prefix", "/prefix/ping", 200), ("/prefix", "/health", 200),
+    ("/a/b", "/a/b/ping", 200),
+    ("/prefix", "/prefix/update_weights", 401), ("/prefix", "/update_weights", 401),
+    ("/prefix", "/prefix/metrics", 401), ("/prefix", "/prefix/v1/models", 401), ("/prefix", "/prefix", 401),
+    ("/prefix", "/prefix/", 401), ("/prefix", "/prefixhealth", 401), ("/prefix", "/prefix/prefix/health", 401),
+    ("/prefix", "/prefix/x/health", 401), ("/prefix", "/prefix/health/", 401), ("/prefix", "/x/prefix/health", 401),
+    ("/prefix", "/prefix/health/../update_weights", 401), ("/a/b", "/a/ping", 401),
+])
+def test_behind_a_proxy_only_the_health_checks_under_the_root_path_are_open(root_path, path, status):
+    guard = RequireKey(inner_app, api_key=KEY)
+    assert call(guard, path, root_path=root_path)[0] == status
+    assert call(guard, path, [("Authorization", "Bearer wrong")], root_path=root_path)[0] == status
+    assert call(guard, path, [("Authorization", f"Bearer {KEY}")], root_path=root_path)[0] == 200
+
+
+def vllm_like_app(monkeypatch, root_path):
+    """A FastAPI app wired as `vllm serve --root-path ROOT --middleware <RequireKey>` wires its own: the root path set
+    on the app, the middleware class added without arguments (it reads the key from the environment). Its routes
+    record that they were reached."""
+    FastAPI = pytest.importorskip("fastapi", reason="vLLM's server is a FastAPI app: pip install fastapi").FastAPI
+
+    monkeypatch.setenv(KEY_VARIABLE, KEY)
+    reached = []
+    app = FastAPI()
+
+    def endpoint_for(route):
+        async def endpoint():
+            reached.append(route)
+            return {"route": route}
+
+        return endpoint
+
+    for route in ("/health", "/ping", "/update_weights", "/metrics", "/version", "/v1/models"):
+        app.add_api_route(route, endpoint_for(route), methods=["GET", "POST"])
+    app.root_path = root_path
+    app.add_middleware(RequireKey)
+    return app, reached
+
+
+def test_behind_a_proxy_a_real_app_reaches_no_guarded_route_without_the_key(monkeypatch):
+    app, reached = vllm_like_app(monkeypatch, "/prefix")
+
+    async def answers(requests):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return [await client.request(method, path, headers=headers) for method, path, headers in requests]
+
+    def send(method, path, headers=None):
+        reached.clear()
+        return asyncio.run(answers([(method, path, headers)]))[0], list(reached)
+
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    for prefix in ("/prefix", ""):  # a proxy that forwards the prefix, and one that strips it
+        for route in ("/health", "/ping"):
+            response, routes = send("GET", prefix + route)
+            assert (response.status_code, routes) == (200, [route]), prefix + route
+        for route in ("/update_weights", "/metrics", "/version", "/v1/models"):
+            for method in ("GET", "POST"):
+                for headers in (None, {"Authorization": "Bearer wrong"}):
+                    response, routes = send(method, prefix + route, headers)
+                    assert (response.status_code, routes) == (401, []), (method, prefix + route, headers)
+                    assert response.headers["www-authenticate"] == "Bearer"
+                    assert "Authorization: Bearer <key>" in response.json()["error"]
+                response, routes = send(method, prefix + route, bearer)
+                assert (response.status_code, routes) == (200, [route]), (method, prefix + route)
+    for near in ("/prefixhealth", "/prefix/prefix/health", "/prefix/x/health", "/prefix/health/", "/x/prefix/health",
+                 "/prefix/ping/update_weights", "/prefix//update_weights"):
+        response, routes = send("POST", near)
+        assert (response.status_code, routes) == (401, []), near
+
+
+def test_the_401_says_how_to_send_the_key():
+    status, sent = call(RequireKey(inner_app, api_key=KEY), "/update_weights")
+    headers = dict(sent[0]["headers"])
+    body = b"".join(message.get("body", b"") for message in sent)
+    assert status == 401 and headers[b"www-authenticate"] == b"Bearer" and int(headers[b"content-length"]) == len(body)
+    assert "Authorization: Bearer <key>" in json.loads(body)["error"]
+
+
+def test_the_middleware_refuses_a_key_http_cannot_carry(monkeypatch):
+    monkeypatch.setenv(KEY_VARIABLE, "two words")
+    with pytest.raises(ValueError, match=f"{KEY_VARIABLE} must be a non-empty key of printable ASCII"):
+        RequireKey(inner_app)
 
 
 def test_lifespan_events_pass_through():
@@ -157,6 +264,11 @@ def test_a_key_reaches_vllm_and_the_middleware_through_the_environment_only(monk
     assert getattr(__import__(module, fromlist=[name]), name) is RequireKey
 
 
+def test_the_api_key_flag_wins_over_the_environment(monkeypatch):
+    command, env = launch(["--api-key", KEY], monkeypatch, {KEY_VARIABLE: "from-the-environment"})
+    assert env[KEY_VARIABLE] == KEY and command[command.index("--middleware") + 1] == REQUIRE_KEY_MIDDLEWARE
+
+
 def test_a_key_http_cannot_carry_is_refused_naming_where_it_came_from(monkeypatch):
     with pytest.raises(ValueError, match="--api-key must be a non-empty key of printable ASCII"):
         launch(["--api-key", "two words"], monkeypatch)
@@ -226,6 +338,18 @@ def test_a_missing_or_wrong_key_fails_the_server_check_at_once_naming_the_settin
     assert time.monotonic() - started < 5  # not waited out as a slow server
     assert "vllm_server_api_key" in str(refused.value) and KEY_VARIABLE in str(refused.value)
     assert "HTTP 401" in str(refused.value)
+
+
+@pytest.mark.parametrize("refused_path, status", [
+    ("/health", 403), ("/v1/models", 401), ("/v1/models", 403), ("/get_world_size", 401), ("/get_world_size", 403),
+])
+def test_the_key_is_checked_on_an_inference_path_and_on_a_weight_update_path(refused_path, status):
+    from targetpo.generation.vllm_server import VLLMServerAuthenticationError
+
+    # Each path refused alone: a server whose own check and whose middleware disagree is still caught.
+    transport, _ = mock_server(lambda path, authorization: status if path == refused_path else 200)
+    with pytest.raises(VLLMServerAuthenticationError, match=f"HTTP {status} on {refused_path}"):
+        client_on(transport, KEY, timeout=3).wait_for_server()
 
 
 def test_a_401_on_the_health_check_is_not_retried_until_the_timeout():

@@ -10,10 +10,12 @@ import dataclasses
 import time
 
 import pytest
+import split_group_workers
 import torch
 import torch.multiprocessing as mp
 from datasets import Dataset
 from split_group_workers import NUM_GENERATIONS, PROMPTS, FixedCompletions, letter_score, train, two_process_worker
+from test_coming_from_trl import tiny_moe
 from test_distributed import free_port
 from test_split_groups import assert_same_weights_after_every_step, assert_steps_move_the_weights, logged_losses
 
@@ -21,7 +23,7 @@ from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
 from targetpo.generation import Completions
 from targetpo.split_groups import SplitGroups
-from targetpo.token_budget import check_budget_fits, pass_tokens, plan_passes
+from targetpo.token_budget import check_budget_fits, pass_token_shares, pass_tokens, plan_passes
 
 # Prompts of at most 12 tokens and completions of at most 5 (split_group_workers): one sequence is at most 17 tokens.
 PROMPT_LIMIT = dict(max_prompt_length=12)
@@ -61,6 +63,14 @@ def test_a_unit_the_budget_cannot_hold_is_refused():
         plan_passes([1] * 4, [1] * 4, range(4), budget=6, packed=True, group_size=4)
 
 
+def test_a_passs_share_is_the_tokens_it_reads_over_those_all_passes_read():
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])  # 2, 3 and 1 prompt tokens
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])  # 2, 2 and 3 completion tokens
+    passes = [torch.tensor([True, False, True]), torch.tensor([False, True, False]), torch.zeros(3, dtype=torch.bool)]
+    # Rows read 4, 5 and 4 tokens: the passes 8, 5 and none (a pass without rows) of 13.
+    assert pass_token_shares(prompt_mask, completion_mask, passes).tolist() == pytest.approx([8 / 13, 5 / 13, 0.0])
+
+
 def test_the_budget_must_hold_the_longest_sequence():
     check_budget_fits(17, 17)
     with pytest.raises(ValueError, match="at least 17"):
@@ -79,16 +89,29 @@ def count_forward_passes_with_gradient(trainer):
     trainer.model.register_forward_pre_hook(count, with_kwargs=True)
 
 
-def assert_same_training(budgeted, reference, metrics=("entropy",)):
+def assert_same_training(budgeted, reference):
     assert budgeted.state.global_step == reference.state.global_step
     assert_same_weights_after_every_step(budgeted.recorded, reference.recorded)
     assert_steps_move_the_weights(reference.recorded[1:], reference.recorded[0])
     # The passes' losses add up to the micro-step's: the same loss is logged, and metrics measured over the
     # micro-step's tokens are measured once over all of them.
     assert logged_losses(budgeted) == pytest.approx(logged_losses(reference), rel=1e-5, abs=1e-7)
-    for name in metrics:
-        assert logged(budgeted, name) == pytest.approx(logged(reference, name), rel=1e-5)
+    assert_same_metrics(budgeted, reference)
     assert budgeted.forwards_with_gradient >= 2 * reference.forwards_with_gradient
+
+
+TIMINGS = {"rollout/generation_wait_seconds", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+
+def assert_same_metrics(budgeted, reference):
+    """Every metric the one-pass run logs (the timings aside), the budgeted run logs in the same entry, equal: the
+    loss, the KL, the entropy, the clip ratios and their extremes, the router loss, q's diagnostics."""
+    assert len(budgeted.state.log_history) == len(reference.state.log_history)
+    for index, (got, expected) in enumerate(zip(budgeted.state.log_history, reference.state.log_history)):
+        names = set(expected) - TIMINGS
+        assert set(got) - TIMINGS == names, f"log entry {index}"
+        for name in names:
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), f"log entry {index}: {name}"
 
 
 def logged(trainer, name):
@@ -100,8 +123,17 @@ CASES = {
     "grpo-kl": dict(loss_type="grpo", beta=0.04, per_device_train_batch_size=8, max_steps=2, budget=40),
     # Divided by the rollout's tokens, and by the local batch's; packed passes are cut by their real tokens.
     "dapo-packed": dict(loss_type="dapo", padding_free=True, per_device_train_batch_size=8, max_steps=2, budget=40),
-    "bnpo-two-epochs": dict(loss_type="bnpo", per_device_train_batch_size=8, max_steps=4, num_iterations=2,
-                            budget=40),
+    # Clipped in the second epoch (epsilon 0.05): the clip ratios of the passes' rows make the micro-step's.
+    "bnpo-two-epochs": dict(loss_type="bnpo", epsilon=0.05, per_device_train_batch_size=8, max_steps=4,
+                            num_iterations=2, budget=40),
+    # Divided by the rows times max_completion_length: the micro-step's rows, not a pass's.
+    "dr-grpo": dict(loss_type="dr_grpo", per_device_train_batch_size=8, max_steps=2, budget=40),
+    # Each sequence's token sum, averaged over the micro-step's sequences.
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence", per_device_train_batch_size=8, max_steps=2,
+                  budget=40),
+    # Divided by the rollout's tokens; its own clip ratio, which bites in the second epoch.
+    "cispo-two-epochs": dict(loss_type="cispo", epsilon_high=1.02, per_device_train_batch_size=8, max_steps=4,
+                             num_iterations=2, budget=40),
     # 8 x 17 tokens fit the budget: each group in one pass, q built by the pass and kept for the second epoch.
     "tpo-whole-groups": dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, budget=140),
     # A group may outgrow the budget: the groups' softmax is known ahead (p_old, then a pass at moved weights).
@@ -115,13 +147,15 @@ CASES = {
 def test_a_micro_step_in_passes_trains_as_one_pass(tmp_path, case):
     settings = dict(CASES[case], **PROMPT_LIMIT)
     budget = settings.pop("budget")
-    metrics = ("entropy", "kl") if settings.get("beta") else ("entropy",)
     reference = train(str(tmp_path / "one_pass"), on_trainer=count_forward_passes_with_gradient, **settings)
     budgeted = train(
         str(tmp_path / "passes"), on_trainer=count_forward_passes_with_gradient, max_tokens_per_micro_batch=budget,
         **settings,
     )
-    assert_same_training(budgeted, reference, metrics)
+    assert_same_training(budgeted, reference)
+    if settings.get("num_iterations", 1) > 1 and settings.get("loss_type", "tpo") != "tpo":
+        clipped = [value for entry in reference.state.log_history for name, value in entry.items() if "clip" in name]
+        assert max(clipped) > 0  # the clip ratios compared are not all 0
 
 
 def test_optimiser_steps_across_rollouts_train_groups_over_passes_exactly(tmp_path, monkeypatch):
@@ -247,10 +281,14 @@ def test_tpo_on_two_processes_completes_old_log_probs_in_different_passes(tmp_pa
     """The cat group scores equal and is skipped at the rollout's weights: one process's first use trains in 1 pass,
     the other's in 2, so each completes its old log-probs in another pass. q is built from them without a collective
     (a gather there would pair with nothing on the other process, and both would wait for ever): the weights are one
-    pass's."""
+    pass's. And 3 groups of 8 over 2 processes of 12 rows, so that the middle group spans the processes while a pass
+    could hold it: TPO trains them from their softmax known ahead, as one process with all 24 rows in one pass."""
     settings = dict(per_device_train_batch_size=16, max_steps=4, num_iterations=2, **PROMPT_LIMIT)
+    spanning = dict(max_steps=1, **PROMPT_LIMIT)
     cases = [("tpo_passes", "letter_score_but_cat_ties", dict(max_tokens_per_micro_batch=140, **settings)),
-             ("tpo_one_pass", "letter_score_but_cat_ties", settings)]
+             ("tpo_one_pass", "letter_score_but_cat_ties", settings),
+             ("tpo_spanning_passes", "letter_score",
+              dict(per_device_train_batch_size=12, max_tokens_per_micro_batch=140, **spanning))]
     context = mp.spawn(two_process_worker, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=False)
     deadline = time.monotonic() + 180
     while not context.join(timeout=5):
@@ -258,10 +296,12 @@ def test_tpo_on_two_processes_completes_old_log_probs_in_different_passes(tmp_pa
             for process in context.processes:
                 process.kill()
             pytest.fail("the two processes did not finish: their collectives no longer pair up")
+    whole_groups = train(str(tmp_path / "whole_groups"), per_device_train_batch_size=24, **spanning)
     for rank in range(2):
         weights = {name: torch.load(tmp_path / f"{name}_rank{rank}.pt") for name, _, _ in cases}
         assert_steps_move_the_weights(weights["tpo_one_pass"][1:], weights["tpo_one_pass"][0])
         assert_same_weights_after_every_step(weights["tpo_passes"], weights["tpo_one_pass"])
+        assert_same_weights_after_every_step(weights["tpo_spanning_passes"], whole_groups.recorded)
 
 
 def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
@@ -271,6 +311,76 @@ def test_evaluation_in_passes_gives_the_one_pass_loss(tmp_path):
         trainer = train(str(tmp_path / name), max_tokens_per_micro_batch=budget, **settings)
         losses.append(trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))["eval_loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def record_every_forward(trainer):
+    """Records each forward pass of the policy and of the reference: the phase (``trainer.phase``), its kind, and the
+    tokens it computed on (its input ids, padding included)."""
+    trainer.phase, trainer.forwards = "train", []
+
+    def record(module, args, kwargs):
+        kind = "with gradient" if torch.is_grad_enabled() else "without gradient"
+        kind = "reference" if module is trainer.ref_model else kind
+        trainer.forwards.append((trainer.phase, kind, kwargs["input_ids"].numel()))
+
+    for model in (trainer.model, trainer.ref_model):
+        model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_no_forward_pass_computes_on_more_tokens_than_the_budget(tmp_path, padding_free):
+    """The training passes, the old log-probs' (the second step batch is first used after the weights moved), the
+    reference's and evaluation's: every one within 40 tokens, where a micro-step's 8 rows of up to 13 are 104."""
+    settings = dict(loss_type="grpo", beta=0.04, per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                    steps_per_generation=2, max_steps=2, padding_free=padding_free, **PROMPT_LIMIT)
+    trainer = train(str(tmp_path), max_tokens_per_micro_batch=40, on_trainer=record_every_forward, **settings)
+    trainer.phase = "evaluation"
+    trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    kinds = {(phase, kind) for phase, kind, _ in trainer.forwards}
+    assert kinds == {("train", "with gradient"), ("train", "without gradient"), ("train", "reference"),
+                     ("evaluation", "without gradient"), ("evaluation", "reference")}
+    assert max(tokens for _, _, tokens in trainer.forwards) <= 40
+    for phase, kind in kinds:  # each cut into passes: more than one forward per batch of 8 rows
+        assert sum(1 for forward in trainer.forwards if forward[:2] == (phase, kind)) > 2, (phase, kind)
+
+
+def test_a_micro_step_whose_rows_are_all_skipped_runs_a_pass_without_rows(tmp_path):
+    """The cat group scores equal: the first micro-step (its 8 rows) has no row to train, and runs one pass without
+    rows and zero loss; the next one's passes train as one pass. Weights and metrics as without a budget."""
+    settings = dict(loss_type="grpo", per_device_train_batch_size=8, max_steps=2, **PROMPT_LIMIT)
+    reference = train(str(tmp_path / "one_pass"), "letter_score_but_cat_ties", **settings)
+    budgeted = train(str(tmp_path / "passes"), "letter_score_but_cat_ties", max_tokens_per_micro_batch=40, **settings)
+    assert logged(budgeted, "completions/skipped_fraction") == [1.0, 0.0]
+    assert_same_weights_after_every_step(budgeted.recorded, reference.recorded)
+    assert_same_metrics(budgeted, reference)
+
+
+def record_router_losses(trainer):
+    """Records each training forward pass's tokens read (its attention mask's) and the router loss the model gave."""
+    trainer.router_losses = []
+
+    def record(module, args, kwargs, output):
+        if torch.is_grad_enabled():
+            trainer.router_losses.append((kwargs["attention_mask"].sum().item(), output.aux_loss.item()))
+
+    trainer.model.register_forward_hook(record, with_kwargs=True)
+
+
+def test_a_routers_loss_is_each_passs_weighted_by_its_share_of_the_tokens_read(tmp_path, monkeypatch):
+    """A mixture-of-experts router loss is a mean over the tokens a forward pass routes: the micro-step's is each
+    pass's weighted by the tokens it reads over those all passes read, in the logged router loss and in the loss."""
+    monkeypatch.setattr(split_group_workers, "build_tiny_causal_lm", lambda tokenizer, **sizes: tiny_moe(tokenizer))
+    settings = dict(loss_type="grpo", per_device_train_batch_size=8, max_steps=1, max_tokens_per_micro_batch=40,
+                    **PROMPT_LIMIT)
+    with_router = train(str(tmp_path / "router"), router_aux_loss_coef=0.5, on_trainer=record_router_losses,
+                        **settings)
+    without = train(str(tmp_path / "none"), router_aux_loss_coef=0.0, **settings)
+    tokens, losses = zip(*with_router.router_losses)
+    assert len(tokens) >= 2 and len(set(tokens)) > 1  # passes of unequal tokens: unequal shares
+    expected = sum(read * loss for read, loss in zip(tokens, losses)) / sum(tokens)
+    assert logged(with_router, "aux_loss") == [pytest.approx(expected, rel=1e-6)]
+    router_part = logged_losses(with_router)[0] - logged_losses(without)[0]
+    assert router_part == pytest.approx(0.5 * expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("loss_type", ["tpo", "grpo"])

@@ -4,20 +4,18 @@
 one text layer and one vision layer with hidden size 32 (a few tens of thousands of parameters); each processor pairs
 the demo's character tokenizer (:func:`targetpo.demo.build_char_tokenizer`, one token per character), extended with the
 special tokens that architecture needs, with the architecture's PIL image processor configured for tiny images, so an
-image becomes only a handful of placeholder tokens. Nothing is downloaded.
+image becomes only a handful of placeholder tokens. Nothing is downloaded. The LLaVA-NeXT one is the library's own
+stand-in (:func:`targetpo.demo.build_tiny_vision_chat_model`).
 
-The chat template renders like :data:`targetpo.demo.CHAT_TEMPLATE` (``<role>content`` then a newline per message, and
+The chat template (:func:`targetpo.demo.image_chat_template`) renders like :data:`targetpo.demo.CHAT_TEMPLATE` (``<role>content`` then a newline per message, and
 ``<assistant>`` as the generation prompt); a message's content may also be a list of parts ``{"type": "text", "text":
 ...}`` / ``{"type": "image"}``, an image part rendering as the placeholder text the processor expands.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers import (
-    CLIPVisionConfig,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessorPil,
@@ -28,11 +26,6 @@ from transformers import (
     Idefics3Processor,
     Idefics3VisionConfig,
     LlamaConfig,
-    LlavaNextConfig,
-    LlavaNextForConditionalGeneration,
-    LlavaNextImageProcessorPil,
-    LlavaNextProcessor,
-    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
@@ -48,7 +41,7 @@ from transformers import (
 )
 from transformers.processing_utils import ProcessorMixin
 
-from targetpo.demo import build_char_tokenizer
+from targetpo.demo import build_char_tokenizer, build_tiny_vision_chat_model, image_chat_template
 
 ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava_next", "idefics3", "smolvlm")
 
@@ -66,29 +59,10 @@ SIGLIP_LIKE_VISION = {
 MAX_POSITIONS = 512
 
 
-def chat_template(image_placeholder: str) -> str:
-    """The demo's chat template, with list-of-parts content whose image parts render as ``image_placeholder``."""
-    return (
-        "{% for message in messages %}<{{ message['role'] }}>"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' %}" + image_placeholder + "{% elif part['type'] == 'text' %}{{ part['text'] }}"
-        "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-
-
 def _tokenizer(named_tokens: dict[str, str], other_tokens: tuple[str, ...] = (), template: str | None = None):
     """The demo's character tokenizer plus special tokens: ``named_tokens`` also become attributes (``image_token`` and
     ``image_token_id``, ``boi_token``, ...), which several processors read."""
-    base = build_char_tokenizer()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=copy.deepcopy(base.backend_tokenizer),
-        pad_token=base.pad_token,
-        eos_token=base.eos_token,
-        unk_token=base.unk_token,
-        extra_special_tokens=dict(named_tokens),
-    )
+    tokenizer = build_char_tokenizer(named_special_tokens=named_tokens)
     if other_tokens:
         tokenizer.add_special_tokens({"extra_special_tokens": list(other_tokens)}, replace_extra_special_tokens=False)
     tokenizer.chat_template = template
@@ -181,7 +155,7 @@ def _build_qwen(seed: int, text_layers: int, version: str):
     tokenizer = _tokenizer(
         {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
         ("<|vision_start|>", "<|vision_end|>"),
-        chat_template(placeholder),
+        image_chat_template(placeholder),
     )
     # 14-pixel patches merged 2x2, at least and at most 56*56 pixels: a square image is resized to 56x56, a 4x4 patch
     # grid, i.e. 16 patch rows and 4 tokens (other aspect ratios round to a few more, e.g. 50x30 -> 24 rows, 6 tokens).
@@ -241,7 +215,7 @@ def build_tiny_gemma3(seed: int = 0, text_layers: int = 1):
     ``<end_of_image>\\n\\n``. ``token_type_ids`` marks the image tokens (bidirectional attention among them)."""
     tokenizer = _tokenizer(
         {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
-        template=chat_template("<start_of_image>"),
+        template=image_chat_template("<start_of_image>"),
     )
     tokens_per_image = 4
     image_processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
@@ -278,43 +252,9 @@ def build_tiny_gemma3(seed: int = 0, text_layers: int = 1):
 
 
 def build_tiny_llava_next(seed: int = 0, text_layers: int = 1):
-    """LLaVA-Next: a CLIP tower on 28x28 crops of 14-pixel patches (4 features each, CLS dropped), any-resolution grid
-    pinpoints 28x56 and 56x28, so every image is the base crop plus two; an image part renders as ``<image>``, expanded
-    to the base crop's 4 tokens plus the unpadded high-resolution grid and its row newlines (10 for a square image,
-    up to 16 otherwise). ``pixel_values`` is (images, 3 crops, 3, 28, 28), with ``image_sizes`` (images, 2)."""
-    tokenizer = _tokenizer({"image_token": "<image>"}, template=chat_template("<image>"))
-    pinpoints = [[28, 56], [56, 28]]  # every image: 2 crops + the base image, so pixel_values rows match
-    image_processor = LlavaNextImageProcessorPil(
-        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints
-    )
-    processor = LlavaNextProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        chat_template=tokenizer.chat_template,
-        num_additional_image_tokens=1,  # CLIP's CLS token
-    )
-    vision = CLIPVisionConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        projection_dim=HIDDEN,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        image_size=28,
-        patch_size=14,
-    )
-    config = LlavaNextConfig(
-        text_config=LlamaConfig(**_text_kwargs(tokenizer, text_layers)),
-        vision_config=vision,
-        image_token_index=tokenizer.image_token_id,
-        image_grid_pinpoints=pinpoints,
-        vision_feature_layer=-1,  # the one vision layer's output (the default -2 would skip it)
-        vision_feature_select_strategy="default",
-        image_seq_length=4,
-        tie_word_embeddings=True,
-    )
-    return _finish(LlavaNextForConditionalGeneration, config, tokenizer, seed), processor
+    """LLaVA-Next: the demo's stand-in vision-language model (:func:`targetpo.demo.build_tiny_vision_chat_model`: 28x28
+    crops, the base crop plus two per image, ``<image>`` expanded to 10 to 16 tokens), with this module's positions."""
+    return build_tiny_vision_chat_model(seed, text_layers, max_positions=MAX_POSITIONS)
 
 
 #: The <row_x_col_y> tags an Idefics3 processor writes before each tile of a split image (up to 6x6 tiles).
@@ -328,7 +268,7 @@ def _build_idefics(seed: int, text_layers: int, smol: bool, hidden: int = HIDDEN
         "global_image_token": "<global-img>",
         "end_of_utterance_token": "<end_of_utterance>",
     }
-    tokenizer = _tokenizer(named, _ROW_COL_TOKENS, chat_template("<image>"))
+    tokenizer = _tokenizer(named, _ROW_COL_TOKENS, image_chat_template("<image>"))
     image_kwargs = {
         "do_image_splitting": False,
         "size": {"longest_edge": 28},
