@@ -6,7 +6,7 @@ A backend written here stands in for the vLLM server at the rollout interface: i
 search (``ScriptedPolicy``), labels every turn with the version of the weights it last received, as the server labels
 each token, and gives the process a connection of its own (``for_this_process``). Pushes and turns hand over to each
 other so that every rollout played ahead has its first turn written before the next push and its later turns after
-it, whatever the machine's speed. test_vllm.py runs the same on a real server.
+it, whatever the machine's speed (a later turn may follow a later push too). test_vllm.py runs the same on a real server.
 """
 
 import threading
@@ -143,7 +143,7 @@ def test_episodes_played_ahead_straddle_the_push_after_each_step_and_samples_are
     """The first rollout is played on the training thread with the weights pushed before it; rollout r >= 1 is played
     ahead, on the process's own connection, from optimiser step S*r - min(S, max_staleness) (as late as max_staleness
     allows); the weights are pushed after every optimiser step, at once, so its first turn is written by that step's
-    weights and its later turns by the next's. Each sample is tagged with its oldest turn's version: staleness
+    weights and its later turns by a later step's. Each sample is tagged with its oldest turn's version: staleness
     min(S, max_staleness) for every sample of a rollout played ahead. Environments played ahead are not those of the
     training thread; the rollout played ahead of a step never run is cancelled at close."""
     lead = min(steps_per_rollout, max_staleness)
@@ -171,14 +171,16 @@ def test_episodes_played_ahead_straddle_the_push_after_each_step_and_samples_are
     now = [(version, thread) for play, _, version, thread in weights.turns if play == 0]
     assert now and set(now) == {(0, "MainThread")}
     # Every later one ahead, on the episodes' thread: its first turn by the weights of the step it started at, its
-    # later turns (after the push that followed that step) by the next step's.
+    # later turns (after the push that followed that step) by a later step's, at most the step that trains on it (S*r).
+    # With steps_per_rollout > max_staleness the episodes may still be playing when the next step pushes again: on a
+    # slow machine a later turn then carries that push's version.
     assert weights.plays == len(starts)
     for r, start in starts.items():
         turns = [(turn, version, thread) for play, turn, version, thread in weights.turns if play == r]
         assert turns[0][:2] == (0, start), (r, turns)
         trained = steps_per_rollout * r < max_steps  # else it may still be playing: its later turns are not checked
         assert len(turns) > 1 or not trained, (r, turns)
-        assert all(version == start + 1 for turn, version, _ in turns[1:]), (r, turns)
+        assert all(start + 1 <= version <= steps_per_rollout * r for turn, version, _ in turns[1:]), (r, turns)
         assert all(thread.startswith(EPISODES_THREAD) for *_, thread in turns), (r, turns)
     # Each sample's weight version is its oldest turn's: the step its rollout started at.
     rollouts = -(-max_steps // steps_per_rollout)
