@@ -253,7 +253,7 @@ def targetpo_passes(args: argparse.Namespace) -> dict:
 def in_passes(run, budget: int, packed: bool):
     """``run`` over the rows in passes of at most ``budget`` tokens, each back-propagated at once; the log-probs of
     every row, detached (``timed`` then runs no backward of its own)."""
-    from targetpo.token_budget import plan_passes
+    from targetpo.step.token_budget import plan_passes
 
     def passes(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
         prompt_lengths, completion_lengths = prompt_mask.sum(-1).tolist(), completion_mask.sum(-1).tolist()

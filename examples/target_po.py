@@ -529,7 +529,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """The description as written (its example commands keep their lines), each flag with its default."""
 
 
-#: The --help sections of the script's own flags (TargetPOConfig's have theirs in targetpo.config.FLAG_GROUPS).
+#: The --help sections of the script's own flags (TargetPOConfig's have theirs in targetpo.config.fields.FLAG_GROUPS).
 SCRIPT_FLAG_GROUPS = {
     "model": ("model_name_or_path", *(spec.name for spec in dataclasses.fields(ModelArguments))),
     "data": ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",

@@ -14,7 +14,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 from transformers import TrainerCallback
 
-from .regularisers import EntropyBonus
+from .objectives.regularisers import EntropyBonus
 
 #: Files a checkpoint holds beside the Trainer's: the adaptive entropy coefficient, and the synced reference model.
 ENTROPY_STATE_FILE = "entropy_coefficient.json"

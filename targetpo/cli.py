@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from .config import FLAG_GROUPS, close_names, either
+from .config.fields import FLAG_GROUPS, close_names, either
 
 #: The last section of --help: the fields of transformers' TrainingArguments (optimiser, schedule, saving, ...).
 TRAINER_FLAG_GROUP = "the Trainer's (TrainingArguments)"

@@ -11,7 +11,7 @@ import datasets
 import torch
 from torch.utils.data import Sampler
 
-from .vision import IMAGE_COLUMNS, row_images
+from .modeling.vision import IMAGE_COLUMNS, row_images
 
 T = TypeVar("T")
 #: Dataset columns that carry images (or other media) for vision-language prompts.

@@ -28,9 +28,18 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from . import functional as F
-from .batch_layout import BatchLayout
+from .batch import RolloutBatch
 from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
-from .config import GRPOConfig, TargetPOConfig
+from .config.fields import GRPOConfig, TargetPOConfig
+from .config.preflight import (
+    DatasetNeeds,
+    check_datasets,
+    check_run_settings,
+    check_train_prompts,
+    kept_columns,
+    prompts_from_environments,
+    resolve_config,
+)
 from .data import (
     NEEDS_PROCESSOR,
     ROLLOUT_USE,
@@ -51,8 +60,9 @@ from .distributed import (
     prepare_frozen_model,
     shards_parameters,
 )
+from .episodes.multi_turn import EnvironmentPool, ToolLoop, check_multi_turn_arguments, with_environment_rewards
+from .episodes.tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from .generation import RolloutBackend, SamplingSettings
-from .metrics import MetricsRecorder, record_loss_metrics, record_targets
 from .modeling.loading import (
     PromptLimit,
     load_policy,
@@ -62,31 +72,26 @@ from .modeling.loading import (
     mix_weights_into,
     prepare_policy,
 )
-from .multi_turn import EnvironmentPool, ToolLoop, check_multi_turn_arguments, with_environment_rewards
-from .objectives import LossTerms, TrainingLoss, build_objective
-from .policy_logps import PolicyLogps, TokenLogps
-from .preflight import (
-    DatasetNeeds,
-    check_datasets,
-    check_run_settings,
-    check_train_prompts,
-    kept_columns,
-    prompts_from_environments,
-    resolve_config,
+from .modeling.vision import is_processor
+from .objectives.registry import LossTerms, TrainingLoss, build_objective
+from .objectives.regularisers import EntropyBonus, importance_sampling_applies
+from .reporting.completions import (
+    RolloutTable,
+    log_completions_to_trackers,
+    print_completions_table,
+    push_completions_table,
 )
-from .regularisers import EntropyBonus, importance_sampling_applies
-from .reporting import RolloutTable, log_completions_to_trackers, print_completions_table, push_completions_table
+from .reporting.metrics import MetricsRecorder, record_loss_metrics, record_targets
+from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
 from .rollout.prompts import PromptEncoder
-from .rollout.records import RolloutBatch
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
-from .run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
-from .split_groups import SplitGroups
-from .token_budget import check_budget_fits, joined_by_rows, pass_token_shares
-from .tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
-from .vision import is_processor
+from .step.forward import PolicyLogps, TokenLogps
+from .step.layout import BatchLayout
+from .step.split_groups import SplitGroups
+from .step.token_budget import check_budget_fits, joined_by_rows, pass_token_shares
 
 
 class TargetPOTrainer(Trainer):

@@ -7,7 +7,7 @@ from transformers import TrainingArguments
 
 from targetpo import GRPOConfig, TargetPOConfig
 from targetpo.cli import TRAINER_FLAG_GROUP, FlagParser
-from targetpo.config import FLAG_GROUPS, close_names
+from targetpo.config.fields import FLAG_GROUPS, close_names
 
 
 def help_sections(text: str) -> dict[str, list[str]]:
@@ -37,7 +37,7 @@ def refusal(parser: FlagParser, argv: list[str], capsys) -> str:
 
 def test_help_lists_each_flag_once_in_its_section_tpo_first():
     sections = help_sections(FlagParser(TargetPOConfig).format_help())
-    assert sections["options"] == [], "fields in no section: name each in targetpo.config.FLAG_GROUPS"
+    assert sections["options"] == [], "fields in no section: name each in targetpo.config.fields.FLAG_GROUPS"
     titles = [title for title, listed in sections.items() if listed]
     assert titles == [*FLAG_GROUPS, TRAINER_FLAG_GROUP] and titles[0] == "TPO"  # the Trainer's last
     listed = [name for names in sections.values() for name in names]

@@ -627,7 +627,7 @@ def test_an_async_reward_function_that_raises_is_named(tmp_path, tiny_model, tok
 def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, tokenizer, prompt_dataset):
     from rich.console import Console
 
-    from targetpo.reporting import print_completions_table, table_columns
+    from targetpo.reporting.completions import print_completions_table, table_columns
 
     def judged(completions, log_extra, log_metric, **kwargs):
         lengths = [len(c) for c in completions]

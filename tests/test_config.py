@@ -8,10 +8,10 @@ import pytest
 from transformers import HfArgumentParser
 
 from targetpo import GRPOConfig, TargetPOConfig
-from targetpo.config import OneOf, Range, field_rules
+from targetpo.config.fields import OneOf, Range, field_rules
+from targetpo.config.preflight import resolve_config
 from targetpo.generation.sampling import SamplingSettings, resolve_generation_kwargs
-from targetpo.preflight import resolve_config
-from targetpo.regularisers import importance_sampling_applies
+from targetpo.objectives.regularisers import importance_sampling_applies
 
 
 def config(tmp_path, **kwargs):

@@ -19,7 +19,7 @@ from transformers import BitsAndBytesConfig, GenerationConfig
 
 from targetpo import TargetPOConfig
 from targetpo.cli import TRAINER_FLAG_GROUP
-from targetpo.config import FLAG_GROUPS
+from targetpo.config.fields import FLAG_GROUPS
 from targetpo.demo import (
     binary_only_generation_kwargs,
     build_tiny_causal_lm,

@@ -16,10 +16,10 @@ from scripted_policies import place_tokens
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from targetpo.demo import GUESS_DIGITS, build_tiny_causal_lm, digits_only_generation_kwargs, guessing_tokenizer
+from targetpo.episodes.multi_turn import ToolLoop, left_pad
+from targetpo.episodes.tools import ConversationTemplate, Toolbox, environment_tools
 from targetpo.generation import SamplingSettings, TransformersBackend
 from targetpo.modeling.logps import completion_logps
-from targetpo.multi_turn import ToolLoop, left_pad
-from targetpo.tools import ConversationTemplate, Toolbox, environment_tools
 
 MAX_COMPLETION_LENGTH = 70
 PROMPTS = ["?", "????", "12", "7?7?7?7", "", "3"]

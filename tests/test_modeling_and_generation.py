@@ -358,8 +358,8 @@ def test_generator_samples_from_allowed_tokens_and_respects_length(tiny_model, t
 def test_auto_picks_the_triton_head_only_on_an_nvidia_gpu_where_it_runs_and_applies(monkeypatch):
     import importlib.util
 
-    import targetpo.policy_logps as policy_logps_module
-    from targetpo.policy_logps import auto_head_kernel
+    import targetpo.step.forward as policy_logps_module
+    from targetpo.step.forward import auto_head_kernel
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     capability, launch = (9, 0), None
@@ -391,8 +391,8 @@ def test_auto_picks_the_triton_head_only_on_an_nvidia_gpu_where_it_runs_and_appl
 def test_the_trainer_resolves_auto_from_the_model_and_the_settings(tiny_model, monkeypatch):
     import warnings
 
-    import targetpo.policy_logps as policy_logps_module
-    from targetpo.policy_logps import PolicyLogps
+    import targetpo.step.forward as policy_logps_module
+    from targetpo.step.forward import PolicyLogps
 
     asked = []
 

@@ -36,9 +36,8 @@ from targetpo.demo import (
     lock_dataset,
     lock_tokenizer,
 )
-from targetpo.generation import SamplingSettings, TransformersBackend
-from targetpo.multi_turn import ToolLoop
-from targetpo.tools import (
+from targetpo.episodes.multi_turn import ToolLoop
+from targetpo.episodes.tools import (
     HERMES_FIELDS,
     ConversationTemplate,
     Toolbox,
@@ -46,6 +45,7 @@ from targetpo.tools import (
     environment_tools,
     response_template,
 )
+from targetpo.generation import SamplingSettings, TransformersBackend
 
 #: A Hermes-style template on the character tokenizer: calls are JSON inside <tool_call> tags (the library's fallback
 #: response template reads them).

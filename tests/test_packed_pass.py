@@ -26,12 +26,12 @@ from transformers import (
 )
 from vlm_models import build_tiny_idefics3
 
-import targetpo.policy_logps as policy_logps_module
+import targetpo.step.forward as policy_logps_module
 from targetpo import TargetPOTrainer
 from targetpo.demo import build_tiny_causal_lm
 from targetpo.modeling.logps import completion_logps, packed_completion_logps
 from targetpo.modeling.packing import gpu_packing_cost, model_packing_problem, pack_rows
-from targetpo.policy_logps import PolicyLogps
+from targetpo.step.forward import PolicyLogps
 
 VOCAB = 64
 SIZES = {

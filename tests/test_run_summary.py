@@ -17,10 +17,10 @@ from rich.console import Console
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from targetpo import TargetPOTrainer
+from targetpo.episodes.multi_turn import EnvironmentReward
+from targetpo.episodes.tools import AsyncRunner
 from targetpo.generation import RolloutBackend
-from targetpo.multi_turn import EnvironmentReward
-from targetpo.rewards import RewardScorer
-from targetpo.run_summary import (
+from targetpo.reporting.run_summary import (
     WORLD_SIZE_VARIABLES,
     RunSummary,
     announce_run,
@@ -28,7 +28,7 @@ from targetpo.run_summary import (
     rollouts_description,
     summary_table,
 )
-from targetpo.tools import AsyncRunner
+from targetpo.rewards import RewardScorer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +188,7 @@ def test_a_launch_that_asked_for_more_processes_than_run_is_shown_and_warned(
         monkeypatch.setenv(name, value)
     for name in WORLD_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("targetpo.run_summary.launcher_command", lambda: LAUNCHER)
+    monkeypatch.setattr("targetpo.reporting.run_summary.launcher_command", lambda: LAUNCHER)
     trainer = TargetPOTrainer(
         tiny_model, count_letters_reward, args=make_config(tmp_path), train_dataset=prompt_dataset,
         processing_class=tokenizer,

@@ -22,7 +22,7 @@ from targetpo import TargetPOConfig
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
 from targetpo.modeling.logps import completion_logps, shared_prompt_completion_logps
 from targetpo.modeling.shared_prompt import model_sharing_problem, prompt_runs
-from targetpo.policy_logps import PolicyLogps
+from targetpo.step.forward import PolicyLogps
 
 
 def test_runs_are_consecutive_rows_with_the_same_prompt_and_padding():

@@ -22,8 +22,8 @@ from test_split_groups import assert_same_weights_after_every_step, assert_steps
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
 from targetpo.generation import Completions
-from targetpo.split_groups import SplitGroups
-from targetpo.token_budget import check_budget_fits, pass_token_shares, pass_tokens, plan_passes
+from targetpo.step.split_groups import SplitGroups
+from targetpo.step.token_budget import check_budget_fits, pass_token_shares, pass_tokens, plan_passes
 
 # Prompts of at most 12 tokens and completions of at most 5 (split_group_workers): one sequence is at most 17 tokens.
 PROMPT_LIMIT = dict(max_prompt_length=12)

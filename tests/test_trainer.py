@@ -11,13 +11,13 @@ from datasets import Dataset
 from scripted_policies import script_ended_or_cut
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-import targetpo.policy_logps as policy_logps_module
+import targetpo.step.forward as policy_logps_module
 from targetpo import TargetPOTrainer
 from targetpo import functional as F
+from targetpo.batch import RolloutBatch
 from targetpo.demo import build_tiny_causal_lm
 from targetpo.modeling.logps import completion_logps, packed_completion_logps
-from targetpo.objectives import TargetObjective
-from targetpo.rollout.records import RolloutBatch
+from targetpo.objectives.registry import TargetObjective
 
 
 def metric_names(trainer):

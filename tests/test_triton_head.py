@@ -18,7 +18,7 @@ from conftest import count_letters_reward, make_config
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.modeling.loading import cast_output_head_to_fp32
 from targetpo.modeling.logps import triton_head_problem
-from targetpo.policy_logps import PolicyLogps
+from targetpo.step.forward import PolicyLogps
 
 triton_head = pytest.importorskip("targetpo.modeling.triton_head", reason="needs Triton: pip install triton")
 

@@ -949,7 +949,7 @@ def two_turn_rollout_func(calls, handshake=None):
     ``trainer.rollout_backend``; it records which thread ran it and with which backend."""
     import threading
 
-    from targetpo.multi_turn import left_pad
+    from targetpo.episodes.multi_turn import left_pad
 
     def rollout_func(prompts, trainer):
         tokenizer, backend = trainer.processing_class, trainer.rollout_backend

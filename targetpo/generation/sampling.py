@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from transformers import GenerationConfig
 
-from ..vision import placeholder_token_ids
+from ..modeling.vision import placeholder_token_ids
 
 #: The config's sampling fields and their defaults (each default leaves the model's tempered distribution as it is).
 SAMPLING_FIELD_DEFAULTS: dict[str, Any] = {

@@ -17,7 +17,7 @@ import torch
 from ..data import render_prompts
 from ..generation import PromptImages
 from ..modeling.loading import PromptLimit
-from ..vision import (
+from ..modeling.vision import (
     EncodedPrompts,
     encode_prompts_with_images,
     image_column,

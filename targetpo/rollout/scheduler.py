@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..batch import RolloutBatch
 from ..data import ROLLOUT_USE, ROW_INDEX, UPCOMING_ROW
 from ..distributed import full_model_for_generation
 from ..generation import (
@@ -31,10 +32,9 @@ from ..generation import (
     build_rollout_backend,
     close_at_exit,
 )
-from .records import RolloutBatch
 
 if TYPE_CHECKING:
-    from ..tools import AsyncRunner
+    from ..episodes.tools import AsyncRunner
     from ..trainer import TargetPOTrainer
 
 

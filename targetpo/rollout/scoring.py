@@ -16,13 +16,13 @@ import torch
 from accelerate.utils import gather_object
 
 from .. import functional as F
+from ..batch import RolloutBatch
 from ..data import message_text
-from ..metrics import MetricsRecorder
-from ..multi_turn import conversation_text
-from ..reporting import RolloutTable
+from ..episodes.multi_turn import conversation_text
+from ..reporting.completions import RolloutTable
+from ..reporting.metrics import MetricsRecorder
 from ..rewards import RewardLogs, RewardScorer
 from .no_signal import NoSignalWatch
-from .records import RolloutBatch
 from .sources import SourcedRollout
 
 #: The rollout's score statistics (``F.rollout_diagnostics``) and the names they are logged under.

@@ -27,11 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..episodes.multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
 from ..generation import Completions, PromptImages, unpadded_prompts
 from ..modeling.loading import max_positions
-from ..multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
-from ..rewards import REWARD_ARGUMENTS
-from ..vision import (
+from ..modeling.vision import (
     EncodedPrompts,
     ImagesAfterPrompt,
     collate_pixel_inputs,
@@ -39,6 +38,7 @@ from ..vision import (
     row_images,
     with_image_objects,
 )
+from ..rewards import REWARD_ARGUMENTS
 from .prompts import PromptEncoder, RolloutPrompts
 from .scheduler import check_takes_images
 

@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 from transformers import TrainingArguments
 
-from .batch_layout import BatchLayout
-from .functional import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
+from ..functional import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
+from ..step.layout import BatchLayout
 
 LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")

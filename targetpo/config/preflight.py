@@ -10,14 +10,14 @@ from typing import Any
 
 from datasets import Dataset
 
-from .config import GRPOConfig, TargetPOConfig
-from .data import check_streaming_supported, column_values, first_row, is_stream, validate_prompt_dataset
-from .modeling.loading import model_identifier
-from .modeling.logps import require_liger, require_triton
-from .multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool, empty_prompt
-from .objectives import warn_if_grpo_config_trains_another_loss
-from .rewards import REWARD_ARGUMENTS
-from .vision import IMAGE_COLUMNS
+from ..data import check_streaming_supported, column_values, first_row, is_stream, validate_prompt_dataset
+from ..episodes.multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool, empty_prompt
+from ..modeling.loading import model_identifier
+from ..modeling.logps import require_liger, require_triton
+from ..modeling.vision import IMAGE_COLUMNS
+from ..objectives.registry import warn_if_grpo_config_trains_another_loss
+from ..rewards import REWARD_ARGUMENTS
+from .fields import GRPOConfig, TargetPOConfig
 
 
 def resolve_config(model: Any, args: Any, default: type[GRPOConfig] = TargetPOConfig) -> TargetPOConfig:

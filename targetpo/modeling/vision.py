@@ -20,7 +20,7 @@ import torch
 from transformers import ProcessorMixin
 
 if TYPE_CHECKING:
-    from .generation.base import PromptImages
+    from ..generation.base import PromptImages
 
 #: Columns that hold a row's images: ``images`` (a list) or ``image`` (one), as in TRL's vision datasets.
 IMAGE_COLUMNS = ("images", "image")
@@ -279,7 +279,7 @@ def prompt_images(
     ``contexts``) holds the images tool turns brought: they follow the prompt's, with their inputs, their per-token
     extras and their placeholders unexpanded in the continuation.
     """
-    from .generation.base import PromptImages  # here: the generation package reads this module's placeholder ids
+    from ..generation.base import PromptImages  # here: the generation package reads this module's placeholder ids
 
     rows = list(range(len(images))) if rows is None else list(rows)
     after = [None] * len(rows) if after is None else list(after)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .multi_turn import EnvironmentReward
+from ..episodes.multi_turn import EnvironmentReward
 
 #: Environment variables in which launchers give a process the run's number of processes: torchrun and accelerate's
 #: multi-process launchers (WORLD_SIZE), Open MPI, MPICH/Intel MPI and MVAPICH (mpirun, accelerate's multi-CPU runs).

@@ -17,20 +17,20 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .modeling.loading import forward_accepts_position_ids, is_peft_model
-from .modeling.logps import (
+from ..batch import COMPLETION_ALIGNED, PROMPT_ALIGNED
+from ..modeling.loading import forward_accepts_position_ids, is_peft_model
+from ..modeling.logps import (
     completion_logps,
     liger_head_problem,
     packed_completion_logps,
     shared_prompt_completion_logps,
     triton_head_problem,
 )
-from .modeling.output_head import chunked_head_problem
-from .modeling.packing import gpu_packing_cost, model_packing_problem, rows_packing_problem
-from .modeling.shared_prompt import model_sharing_problem, prompt_runs
-from .rollout.records import COMPLETION_ALIGNED, PROMPT_ALIGNED
+from ..modeling.output_head import chunked_head_problem
+from ..modeling.packing import gpu_packing_cost, model_packing_problem, rows_packing_problem
+from ..modeling.shared_prompt import model_sharing_problem, prompt_runs
+from ..modeling.vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 from .token_budget import joined_by_rows, pass_row_masks, pass_token_shares
-from .vision import SELF_POSITIONED_KEYS, collate_pixel_inputs
 
 #: The four tensors every batch of rows has, in ``completion_logps``'s order.
 ROW_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")
@@ -372,7 +372,7 @@ def auto_head_kernel(device: torch.device, liger: bool, triton_problem: str | No
     if importlib.util.find_spec("triton") is None or torch.cuda.get_device_capability(device) < (8, 0):
         return "torch"
     try:
-        from .modeling.triton_head import launch_problem
+        from ..modeling.triton_head import launch_problem
     except ImportError as error:  # a Triton that does not match this torch, say
         problem = f"ImportError: {error}"
     else:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .generation import Completions, PromptImages, RolloutBackend
+from ..generation import Completions, PromptImages, RolloutBackend
+from ..modeling.vision import ImagesAfterPrompt, encode_turn_with_images
 from .tools import (
     INVALID_CALL_NAME,
     AsyncRunner,
@@ -32,7 +33,6 @@ from .tools import (
     run_tool_calls,
     tool_message,
 )
-from .vision import ImagesAfterPrompt, encode_turn_with_images
 
 #: ``images_of_turn(samples, contexts, after)``: the images of the samples a turn continues, as the backend takes
 #: them (None: none to give), ``after`` holding each one's images from tool results.

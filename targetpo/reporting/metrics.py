@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate import Accelerator
 
-from . import functional as F
-from .reporting import RunningMean
-from .rollout.records import RolloutBatch
+from .. import functional as F
+from ..batch import RolloutBatch
+from .completions import RunningMean
 
 if TYPE_CHECKING:  # the loss's types, from the modules above this one
-    from .objectives import LossTerms
-    from .regularisers import BuiltImportanceWeights
+    from ..objectives.registry import LossTerms
+    from ..objectives.regularisers import BuiltImportanceWeights
 
 MODES = ("train", "eval")
 

@@ -18,10 +18,10 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from . import functional as F
-from .batch_layout import BatchLayout
-from .policy_logps import PolicyLogps
-from .rollout.records import RolloutBatch
+from .. import functional as F
+from ..batch import RolloutBatch
+from .forward import PolicyLogps
+from .layout import BatchLayout
 
 
 class SplitGroups:

@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 import torch
 from accelerate import Accelerator
 
-from . import functional as F
-from .distributed import all_gather_with_grad, groups_span_processes
-from .policy_logps import TokenLogps
+from .. import functional as F
+from ..batch import RolloutBatch, StepCache
+from ..distributed import all_gather_with_grad, groups_span_processes
+from ..step.forward import TokenLogps
+from ..step.token_budget import joined_by_rows
 from .regularisers import BuiltImportanceWeights, EntropyBonus, ImportanceWeights, KLPenalty, TokenFilter
-from .rollout.records import RolloutBatch, StepCache
-from .token_budget import joined_by_rows
 
 
 class ObjectiveResult(NamedTuple):

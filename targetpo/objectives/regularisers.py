@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import torch
 from accelerate import Accelerator
 
-from . import functional as F
-from .rollout.records import RolloutBatch
+from .. import functional as F
+from ..batch import RolloutBatch
 
 
 class KLPenalty:
