@@ -50,7 +50,6 @@ from .data import (
     RolloutStream,
     identity_collator,
     is_stream,
-    lookahead_use,
     stream_loader_settings,
 )
 from .distributed import (
@@ -73,7 +72,7 @@ from .modeling.loading import (
     prepare_policy,
 )
 from .modeling.vision import is_processor
-from .objectives.registry import LossTerms, TrainingLoss, build_objective
+from .objectives.registry import TrainingLoss, build_objective, trains_whole_groups
 from .objectives.regularisers import EntropyBonus, importance_sampling_applies
 from .reporting.completions import (
     RolloutTable,
@@ -81,17 +80,18 @@ from .reporting.completions import (
     print_completions_table,
     push_completions_table,
 )
-from .reporting.metrics import MetricsRecorder, record_loss_metrics, record_targets
+from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
+from .rollout.context import RolloutContext
 from .rollout.prompts import PromptEncoder
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
-from .step.forward import PolicyLogps, TokenLogps
-from .step.layout import BatchLayout
+from .step.forward import PolicyLogps
+from .step.plan import StepPlan, check_passes_supported
+from .step.run import StepRunner
 from .step.split_groups import SplitGroups
-from .step.token_budget import check_budget_fits, joined_by_rows, pass_token_shares
 
 
 class TargetPOTrainer(Trainer):
@@ -252,37 +252,19 @@ class TargetPOTrainer(Trainer):
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
     def _set_up_rollouts(self) -> None:
-        """How rollouts are made: the tool loop, prompt encoding, the scheduler and its backend (built now, so a
+        """How rollouts are made: the step plan, the rollout context, the scheduler and its backend (built now, so a
         missing server or a bad setting fails before any work), the source, and scoring."""
-        args, tokenizer = self.args, self._tokenizer
-        # Token ids a rollout may hold: the tokenizer's, and any the output layer has beyond them (padded vocabularies).
-        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
-        self._vocab_size = max(len(tokenizer), getattr(text_config, "vocab_size", None) or 0)
+        args, tokenizer, accelerator = self.args, self._tokenizer, self.accelerator
+        self._plan = StepPlan.of(
+            args, accelerator.num_processes, self._max_prompt_tokens, trains_whole_groups(args.loss_type)
+        )
+        if self._plan.token_budget is not None:
+            overrides = type(self).compute_loss is not TargetPOTrainer.compute_loss
+            check_passes_supported(type(self).__name__, overrides, accelerator)
         # Multi-turn rollouts: the tools every prompt shows (an environment's come from a probe instance) and the loop.
         self._tool_schemas = self._environments.tool_schemas if self._environments else self._toolbox.schemas
-        self._tool_loop: ToolLoop | None = None
-        if self._tool_loop_needed:
-            model_type = self.accelerator.unwrap_model(self.model).config.model_type
-            eos_token_ids, pad_token_id = self.sampling.eos_token_ids, self.sampling.pad_token_id
-            template = ConversationTemplate(
-                tokenizer,
-                self._tool_schemas,
-                eos_token_ids,
-                args.chat_template_kwargs,
-                model_type,
-                added_stop_token_ids=self.sampling.added_stop_token_ids,
-            )
-            self._tool_loop = ToolLoop(
-                template,
-                args.max_completion_length,
-                args.max_tool_calling_iterations,
-                eos_token_ids,
-                pad_token_id,
-                self._async_runner,
-                ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
-                processor=self._processor,  # a vision-language policy: tool results may hold images
-                max_positions=max_positions(self.accelerator.unwrap_model(self.model)),
-            )
+        model = accelerator.unwrap_model(self.model)
+        self._tool_loop = self._build_tool_loop(model) if self._tool_loop_needed else None
         self._prompt_encoder = PromptEncoder(
             tokenizer,
             self._processor,
@@ -290,38 +272,20 @@ class TargetPOTrainer(Trainer):
             args.chat_template_kwargs,
             self._prompt_limit,
             self.sampling.pad_token_id,
-            self.accelerator.device,
+            accelerator.device,
             self._failures_reach_every_process,
             images_allowed=self._images_need is None,
         )
-        # A rollout serves this many micro-steps. If they all fall inside one optimiser step the weights cannot move
-        # in between, and the current (detached) log-probs are the old ones: no extra forward pass at rollout.
-        self._generate_every = args.steps_per_generation * args.num_iterations
-        # TPO's groups spread over micro-steps (or over a micro-step's passes) need their q and p_old before their
-        # first micro-step.
-        self._layout = BatchLayout.from_config(args, self.accelerator.num_processes)
-        self._token_budget = args.max_tokens_per_micro_batch
-        if self._token_budget is not None:
-            self._check_token_budget()
-        self._groups_split = args.loss_type == "tpo" and (self._layout.splits_groups or self._passes_split_groups())
-        self._needs_old_logps = args.gradient_accumulation_steps % self._generate_every != 0 or self._groups_split
-        # Where every step batch is first used at the rollout's weights, that use computes the old log-probs of the
-        # rows it trains anyway (pass by pass under a token budget): the rollout records only the others.
-        self._old_logps_at_first_use = (
-            self._needs_old_logps
-            and not self._groups_split
-            and self._generate_every % args.gradient_accumulation_steps == 0
-            and args.steps_per_generation <= args.gradient_accumulation_steps
+        self._scheduler = RolloutScheduler(
+            self._rollout_context(model),
+            self._async_runner,
+            lambda rows, mode: self._rollout(rows, mode),  # looked up at each call: a subclass's or a test's own
+            self._plan.lookahead_use,
         )
-        self._lookahead_use = None
-        if args.async_rollouts:
-            self._lookahead_use = lookahead_use(
-                self._generate_every, args.gradient_accumulation_steps, args.max_staleness
-            )
-        self._scheduler = RolloutScheduler(self, self._async_runner)
         if args.async_rollouts:
             self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
-        self._rollout_source = rollout_source(self)  # text or images, tools or environments, or rollout_func
+        # Text or images, tools or environments, or rollout_func.
+        self._rollout_source = self._scheduler.source = rollout_source(self._scheduler.context, self._scheduler)
         self.rollout_backend  # noqa: B018 -- built now: a missing server or a bad setting fails here, before any work
         if args.async_rollouts and self._rollout_source.plays_episodes:
             self._scheduler.check_plays_ahead()  # every process's own connection, opened now
@@ -332,7 +296,7 @@ class TargetPOTrainer(Trainer):
         self._rollout_scorer = RolloutScorer(
             self.reward_scorer,
             tokenizer,
-            self.accelerator,
+            accelerator,
             args,
             self._metrics,
             self._failures_reach_every_process,
@@ -341,63 +305,101 @@ class TargetPOTrainer(Trainer):
             self._prompt_encoder.render,
         )
 
-    def _check_token_budget(self) -> None:
-        """max_tokens_per_micro_batch: one sequence must fit a pass, and the passes replace the Trainer's own
-        training step (so an overridden compute_loss would never run)."""
-        check_budget_fits(self._token_budget, self._longest_sequence)
-        if type(self).compute_loss is not TargetPOTrainer.compute_loss:
-            raise ValueError(
-                f"{type(self).__name__} overrides compute_loss, which max_tokens_per_micro_batch does not call: its "
-                "passes compute each part of the micro-step's loss themselves. Unset max_tokens_per_micro_batch, or "
-                "keep the loss in compute_loss without it."
-            )
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        if parallelism is not None and parallelism.cp_enabled:
-            raise ValueError(
-                "max_tokens_per_micro_batch is not supported with context parallelism: its passes replace the "
-                "Trainer's training step, which sets context parallelism up. Unset one of them."
-            )
+    def _build_tool_loop(self, model: PreTrainedModel) -> ToolLoop:
+        """The loop of multi-turn rollouts: turns of generation with the tools' results between them."""
+        args, sampling = self.args, self.sampling
+        template = ConversationTemplate(
+            self._tokenizer,
+            self._tool_schemas,
+            sampling.eos_token_ids,
+            args.chat_template_kwargs,
+            model.config.model_type,
+            added_stop_token_ids=sampling.added_stop_token_ids,
+        )
+        return ToolLoop(
+            template,
+            args.max_completion_length,
+            args.max_tool_calling_iterations,
+            sampling.eos_token_ids,
+            sampling.pad_token_id,
+            self._async_runner,
+            ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
+            processor=self._processor,  # a vision-language policy: tool results may hold images
+            max_positions=max_positions(model),
+        )
 
-    @property
-    def _longest_sequence(self) -> int | None:
-        """The most tokens of one sequence (prompt and completion); None: prompts are not limited."""
-        if self._max_prompt_tokens is None:
-            return None
-        return self._max_prompt_tokens + self.args.max_completion_length
-
-    @property
-    def _group_kept_whole_in_a_pass(self) -> int | None:
-        """With max_tokens_per_micro_batch: the rows of a group one pass must hold (TPO without its groups' softmax
-        known ahead), or None: any rows may share a pass."""
-        return self.args.num_generations if self.args.loss_type == "tpo" and not self._groups_split else None
-
-    def _passes_split_groups(self) -> bool:
-        """With max_tokens_per_micro_batch: whether a micro-step's passes may cut a prompt group (it may outgrow a
-        pass, or span processes), so that TPO must train its groups from a softmax known ahead."""
-        if self._token_budget is None:
-            return False
-        group_size = self.args.num_generations
-        outgrows = group_size * self._longest_sequence > self._token_budget
-        return outgrows or self.args.per_device_train_batch_size % group_size != 0
+    def _rollout_context(self, model: PreTrainedModel) -> RolloutContext:
+        """What the rollout side is given of this trainer (``rollout/context.py``)."""
+        # Token ids a rollout may hold: the tokenizer's, and any the output layer has beyond them (padded vocabularies).
+        text_config = model.config.get_text_config(decoder=True)
+        vocab_size = max(len(self._tokenizer), getattr(text_config, "vocab_size", None) or 0)
+        rollout_func = self.rollout_func
+        return RolloutContext(
+            args=self.args,
+            accelerator=self.accelerator,
+            sampling=self.sampling,
+            metrics=self._metrics,
+            guard=self._failures_reach_every_process,
+            model=lambda: self.model,
+            engine_model=lambda: self.model_wrapped,
+            global_step=lambda: self.state.global_step,
+            sharded=self._sharded,
+            processing_class=self._processor or self._tokenizer,
+            max_prompt_tokens=self._max_prompt_tokens,
+            vocab_size=vocab_size,
+            prompt_encoder=self._prompt_encoder,
+            tool_loop=self._tool_loop,
+            toolbox=self._toolbox,
+            environments=self._environments,
+            run_rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
+        )
 
     def _set_up_loss(self) -> None:
-        """The loss: the objective loss_type names, the regularisers the run switches on, and the token log-probs."""
-        args = self.args
+        """The loss: the objective loss_type names, the regularisers the run switches on, the token log-probs, and
+        the step that runs them."""
+        args, accelerator = self.args, self.accelerator
         # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
-        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
+        text_config = accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
         is_moe = getattr(text_config, "output_router_logits", None) is not None
-        self._objective = build_objective(args, self.accelerator, self._group_size, self._local_slice)
+        self._objective = build_objective(args, accelerator, self._group_size, self._local_slice)
         self._loss = TrainingLoss(
             self._objective,
             args,
-            self.accelerator,
+            accelerator,
             self.sampling.reshapes_distribution,
             router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
         )
         if args.use_adaptive_entropy:
             self.add_callback(OnOptimizerStep(self._loss.entropy_bonus.adapt))
-        self._importance_sampling = importance_sampling_applies(args, self.sampling)
-        self._logps = PolicyLogps.for_model(
+        self._logps = self._policy_logps()
+        split_groups = None
+        if self._plan.groups_split:
+            split_groups = SplitGroups(
+                self._plan.layout,
+                accelerator,
+                self._logps,
+                args.tpo_length_normalize_logps,
+                lambda what: self._failures_reach_every_process(what, local=not self._sharded),
+            )
+        self._step = StepRunner(
+            self._plan,
+            self._objective,
+            self._loss,
+            self._logps,
+            accelerator,
+            self._metrics,
+            self._failures_reach_every_process,
+            lambda: self.state.global_step,
+            self._record_targets,
+            sharded=self._sharded,
+            importance_sampling=importance_sampling_applies(args, self.sampling),
+            split_groups=split_groups,
+        )
+
+    def _policy_logps(self) -> PolicyLogps:
+        """The policy's token log-probs as sampling saw them (``step/forward.py``)."""
+        args = self.args
+        return PolicyLogps.for_model(
             self.model,
             self.accelerator.unwrap_model(self.model),
             self.sampling.temperature,
@@ -413,15 +415,6 @@ class TargetPOTrainer(Trainer):
             autocast=self.accelerator.autocast,
             share_prompts=args.share_prompt_forward,
         )
-        self._split_groups = None
-        if self._groups_split:
-            self._split_groups = SplitGroups(
-                self._layout,
-                self.accelerator,
-                self._logps,
-                args.tpo_length_normalize_logps,
-                lambda what: self._failures_reach_every_process(what, local=not self._sharded),
-            )
 
     @property
     def rollout_backend(self) -> RolloutBackend:
@@ -459,11 +452,11 @@ class TargetPOTrainer(Trainer):
             len(dataset),
             num_generations=self.args.num_generations,
             prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
-            repeat_count=self._generate_every,
+            repeat_count=self._plan.generate_every,
             shuffle=self.args.shuffle_dataset,
             seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
             tag_uses=True,
-            lookahead_use=self._lookahead_use,
+            lookahead_use=self._plan.lookahead_use,
         )
         if isinstance(dataset, RolloutRows):  # the epoch may reach the sampler through the rows (RolloutRows.set_epoch)
             dataset.sampler = sampler
@@ -483,7 +476,7 @@ class TargetPOTrainer(Trainer):
                 self.train_dataset,
                 num_generations=self.args.num_generations,
                 prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
-                repeat_count=self._generate_every,
+                repeat_count=self._plan.generate_every,
                 tag_uses=True,
                 images_allowed=self._images_need is None,
                 prompt_optional=self._environments is not None,
@@ -574,83 +567,33 @@ class TargetPOTrainer(Trainer):
         if not self.model.training:
             return self._rollout(rows, mode="eval")
         batch = self._scheduler.step_batch(rows)  # the step batch of the current rollout, made at its first use
-        if self._split_groups is not None:  # p of the groups this optimiser step trains, at its weights
-            self._split_groups.refresh(self.model, self._scheduler.buffer, self._scheduler.use, self.state.global_step)
+        split_groups = self._step.split_groups
+        if split_groups is not None:  # p of the groups this optimiser step trains, at its weights
+            split_groups.refresh(self.model, self._scheduler.buffer, self._scheduler.use, self.state.global_step)
         return batch
 
     @torch.no_grad()
     def _rollout(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
         """Generate, score and whiten one rollout; record old/reference log-probs and q where they are needed."""
-        args = self.args
         sourced = self._rollout_source.collect(rows, mode)
         group_size = self._group_size(mode)
         scored = self._rollout_scorer.score(sourced, self.state, group_size, self._local_slice(len(rows)))
         batch, advantages_all, valid_all = scored.batch, scored.advantages_all, scored.valid_all
-        self._finish_rollout(batch, advantages_all, valid_all, mode)
+        reference = self._reference_logps if self.args.beta > 0 else None
+        self._step.prepare_rollout(batch, advantages_all, valid_all, mode, self.model, reference)
         self._rollout_count += 1
         batch["rollout"] = self._rollout_count
         extra_columns = self._rollout_scorer.record_reward_logs(scored.reward_logs, mode)
-        if mode == "train" and args.log_completions:
+        if mode == "train" and self.args.log_completions:
             step, rollout = self.state.global_step, self._rollout_count
             self._completion_table = self._rollout_scorer.completion_table(scored, step, rollout, extra_columns)
-        self._targets_at_rollout(batch, advantages_all, valid_all, mode)
-        if mode == "train" and self._split_groups is not None:
-            self._split_groups.at_rollout(batch, valid_all, self.state.global_step)
+        self._step.build_targets(batch, advantages_all, valid_all, mode)
         self._rollout_scorer.record_metrics(scored, group_size, mode)
         return batch
 
-    def _finish_rollout(
-        self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str
-    ) -> None:
-        """What the loss needs of the rollout beyond its rows: its token count, the rows it may leave out, and the
-        old and reference log-probs."""
-        args = self.args
-        batch.loss_token_count = self._objective.rollout_token_count(batch.completion_mask, mode)
-        if mode == "train":
-            batch.rollout_step = self.state.global_step
-        if mode == "train" and self._token_budget is not None:
-            # Now, not at the micro-step: a rollout_func's sequences are bounded by the model's positions only.
-            with self._failures_reach_every_process("checking the rollout's sequences against the token budget"):
-                self._logps.token_passes(self.model, batch, None, self._group_kept_whole_in_a_pass)
-        if mode == "train" and args.skip_zero_gradient_completions and self._loss.reaches_only_rows_with_gradient:
-            # Which rows a step may leave out depends on whether the weights have moved since this rollout. With
-            # dropout on, two forward passes of the same weights differ, so p = p_old never holds exactly.
-            local = self._local_slice(len(batch))
-            with_gradient = self._objective.rows_with_gradient
-            batch.rows_with_gradient = with_gradient(advantages_all, valid_all, policy_is_old=False)[local]
-            batch.rows_with_gradient_at_rollout = with_gradient(advantages_all, valid_all, args.disable_dropout)[local]
-        needs_old_logps = mode == "train" and self._needs_old_logps
-        if needs_old_logps or args.beta > 0:
-            what = "computing the old and reference log-probs"
-            with self._failures_reach_every_process(what, local=not self._sharded):
-                if needs_old_logps:
-                    self._record_old_logps(batch)
-                if args.beta > 0:
-                    unwrap = self.accelerator.unwrap_model
-                    batch.ref_per_token_logps = self._logps.of_reference(batch, self.ref_model, self.model, unwrap)
-
-    def _record_old_logps(self, batch: RolloutBatch) -> None:
-        """The policy's log-probs at rollout time, of the rows no step batch's first use computes (all of them, unless
-        each step batch is first used at the rollout's weights)."""
-        if not self._old_logps_at_first_use:
-            batch.old_per_token_logps = self._logps.batched(self.model, batch)
-            return
-        first_use = batch.rows_with_gradient_at_rollout
-        first_use = torch.ones_like(batch.valid) if first_use is None else first_use
-        batch.old_logps_from_first_use = first_use
-        rest = batch.valid & ~first_use
-        # A sharded model's forward is a collective: every process passes through it, with rows or not.
-        if bool(rest.any()) or self._sharded:
-            batch.old_per_token_logps = self._logps.batched(self.model, batch, rows=rest)
-
-    def _targets_at_rollout(
-        self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str
-    ) -> None:
-        """The objective's target (TPO's q), where it is built once at rollout: kept for every use of the rollout."""
-        targets = self._objective.targets_at_rollout(batch, advantages_all, valid_all)
-        if targets is not None:
-            batch.cache.targets = targets
-            self._record_targets(batch, mode)
+    def _reference_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        """The reference model's token log-probs of a rollout (beta > 0)."""
+        return self._logps.of_reference(batch, self.ref_model, self.model, self.accelerator.unwrap_model)
 
     def _failures_reach_every_process(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
         """``failures_reach_every_process`` on this process's device, for local work.
@@ -721,17 +664,10 @@ class TargetPOTrainer(Trainer):
             raise ValueError("TargetPOTrainer.compute_loss does not return model outputs.")
         if not isinstance(inputs, RolloutBatch):  # a batch built by hand, keyed by the record's names
             inputs = RolloutBatch.from_mapping(inputs)
-        mode = "train" if model.training else "eval"
-        rows = self._rows_to_train(inputs, mode)
-        mask, valid = inputs.masks_without(rows)
-        logps = self._policy_logps(model, inputs, rows, mask)
-        terms = self._loss_of_rows(inputs, logps, mask, valid, mode)
-        self._keep_and_record(inputs, terms, logps.entropies, rows, mode)
-        self._require_finite_loss(terms.loss)
-        return terms.loss
+        return self._step.loss_of(model, inputs, "train" if model.training else "eval")
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        if self._token_budget is None:
+        if self._plan.token_budget is None:
             return super().training_step(model, inputs, num_items_in_batch)
         # max_tokens_per_micro_batch: the micro-step's passes each run their own backward (the Trainer's step runs one).
         model.train()
@@ -739,164 +675,15 @@ class TargetPOTrainer(Trainer):
             self.optimizer.train()
         batch = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
-            loss = self._train_in_passes(model, batch)
+            loss = self._step.train_in_passes(
+                model, batch, self.accelerator.backward, self.current_gradient_accumulation_steps
+            )
         steps = self.args.torch_empty_cache_steps
         if steps is not None and self.state.global_step % steps == 0:
             clear_device_cache()
             if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
                 torch.mps.clear_graph_cache()
         return loss
-
-    def _train_in_passes(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        """One micro-step in passes of at most max_tokens_per_micro_batch tokens, each back-propagated as soon as its
-        loss is known: every pass's loss is its rows' part of the micro-step's (rows left out of a pass count as in
-        ``masks_without``), so their gradients add up to the micro-step's. Returns the micro-step's loss, as the
-        Trainer's step returns it (detached, divided by the accumulation steps)."""
-        rows = self._rows_to_train(batch, "train")
-        mask, _ = batch.masks_without(rows)
-        passes = self._training_passes(model, batch, rows, self._group_kept_whole_in_a_pass)
-        shares = pass_token_shares(batch.prompt_mask, batch.completion_attention_mask, passes)
-        # Each pass builds what the first use builds (q, importance weights): from the rollout's old log-probs for
-        # every row, from a pass's own log-probs for its rows only. Where the first use completes the old log-probs
-        # pass by pass, the pass that completes them builds for every row.
-        built_for_every_row = batch.old_per_token_logps is not None or batch.old_logps_from_first_use is not None
-        cache = batch.cache
-        parts = []
-        for index, (pass_rows, share) in enumerate(zip(passes, shares)):
-            batch.cache = cache
-            pass_mask, pass_valid = batch.masks_without(pass_rows)
-            # Only the last pass's backward reduces gradients over processes (DDP), once for all of them.
-            last = index == len(passes) - 1
-            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
-                logps = self._policy_logps(model, batch, pass_rows, pass_mask)
-                if logps.aux_loss is not None:  # the router's loss, a mean over the pass's tokens: by their share
-                    logps = logps._replace(aux_loss=share * logps.aux_loss)
-                terms = self._loss_of_rows(
-                    batch, logps, pass_mask, pass_valid, "train", micro_step_mask=mask, rows=pass_rows
-                )
-                self._require_finite_loss(terms.loss)
-                self.accelerator.backward(terms.loss / self.current_gradient_accumulation_steps)
-            parts.append((terms, logps.entropies))
-        batch.cache = cache
-        terms = LossTerms.joined([terms for terms, _ in parts], passes, built_for_every_row)
-        entropies = joined_by_rows([entropies for _, entropies in parts], passes)
-        self._keep_and_record(batch, terms, entropies, rows, "train")
-        return terms.loss / self.current_gradient_accumulation_steps
-
-    def _training_passes(
-        self, model: nn.Module, batch: RolloutBatch, rows: torch.Tensor | None, group_size: int | None
-    ) -> list[torch.Tensor]:
-        """The rows to train (bool; None: all) in passes of at most max_tokens_per_micro_batch tokens (row masks), a
-        group's rows in one pass with ``group_size``; as many passes on every process, since the training model's
-        forward pass is a collective under DDP (it shares the model's buffers)."""
-        with self._failures_reach_every_process("cutting the micro-step into passes"):
-            passes = self._logps.token_passes(model, batch, rows, group_size)
-        if self.accelerator.num_processes > 1:  # passes without rows make up the count (one short row, zero loss)
-            count = torch.tensor([len(passes)], device=self.accelerator.device)
-            most = int(self.accelerator.gather(count).max())
-            passes += [torch.zeros_like(passes[0]) for _ in range(most - len(passes))]
-        return passes
-
-    def _loss_of_rows(
-        self,
-        inputs: RolloutBatch,
-        logps: TokenLogps,
-        mask: torch.Tensor,
-        valid: torch.Tensor,
-        mode: str,
-        micro_step_mask: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
-    ) -> LossTerms:
-        """The loss terms of the rows in ``mask`` from their log-probs (of ``rows``, bool; None: every row the step
-        trains); at a step batch's first use, its old log-probs are completed from them first."""
-        if mode == "train" and inputs.old_logps_from_first_use is not None:
-            self._fill_old_logps(inputs, logps.per_token, rows)
-        importance_sampling = mode == "train" and self._importance_sampling
-        return self._loss(logps, inputs, mask, valid, mode, importance_sampling, micro_step_mask)
-
-    def _keep_and_record(
-        self,
-        inputs: RolloutBatch,
-        terms: LossTerms,
-        entropies: torch.Tensor | None,
-        rows: torch.Tensor | None,
-        mode: str,
-    ) -> None:
-        """Keep what the step batch's use built, and record its metrics and any freshly built q."""
-        mask, valid = inputs.masks_without(rows)
-        # `inputs` is the rollout buffer's own step batch: what this use built serves its later uses (num_iterations).
-        inputs.cache = inputs.cache.updated(terms.built())
-        record_loss_metrics(self._metrics, mode, terms, entropies, mask, rows)
-        if terms.objective.targets is not None:  # built over the rows trained, or all of them from old log-probs
-            self._record_targets(inputs, mode, None if inputs.old_per_token_logps is not None else valid)
-
-    def _policy_logps(
-        self, model: nn.Module, inputs: RolloutBatch, rows: torch.Tensor | None, mask: torch.Tensor
-    ) -> TokenLogps:
-        """The policy's token log-probs and entropies of the rows to train (and a router's loss), checked finite."""
-
-        def forward() -> TokenLogps:
-            entropy_grad = self._loss.entropy_bonus is not None
-            router_aux_loss = self._loss.router_aux_loss_coef is not None
-            if self._token_budget is not None and not torch.is_grad_enabled():  # evaluation: passes, then one loss
-                # (with the model unwrapped, as the Trainer evaluates: its forward is no collective)
-                passes = self._logps.token_passes(model, inputs, rows)
-                return self._logps.by_passes(model, inputs, passes, with_entropy=True, router_aux_loss=router_aux_loss)
-            return self._logps(model, inputs, True, rows, entropy_grad, router_aux_loss)
-
-        # A forward pass that fails, or gives non-finite log-probs, on one process stops every process before the
-        # collectives of the loss. A sharded model's forward is itself collectives: it runs before the guarded block.
-        # (DDP's forward opens with a buffer broadcast, which every process reaches: nothing that can fail precedes it.)
-        if self._sharded:
-            logps = forward()
-        with self._failures_reach_every_process("computing the policy's token log-probs"):
-            if not self._sharded:
-                logps = forward()
-            self._require_finite_logps(logps.per_token, mask)
-        return logps
-
-    def _fill_old_logps(self, batch: RolloutBatch, per_token_logps: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """At a step batch's first use, at the rollout's weights: the old log-probs of the rows it trains are its own
-        (of ``rows``, a pass's under a token budget; None: all it trains). The rows still to come stay marked."""
-        if self.state.global_step != batch.rollout_step:
-            raise RuntimeError("A step batch first used after the weights moved has no old log-probs for its rows.")
-        current = per_token_logps.detach()
-        pending = batch.old_logps_from_first_use
-        filled = pending if rows is None else pending & rows
-        old = torch.zeros_like(current) if batch.old_per_token_logps is None else batch.old_per_token_logps
-        batch.old_per_token_logps = torch.where(filled.unsqueeze(-1), current, old)
-        remaining = pending & ~filled
-        batch.old_logps_from_first_use = remaining if bool(remaining.any()) else None
-
-    def _require_finite_logps(self, per_token_logps: torch.Tensor, mask: torch.Tensor) -> None:
-        """A FloatingPointError when a token log-prob the loss uses is NaN or infinite (the model overflowed)."""
-        used = per_token_logps.detach()[mask.bool()]
-        if not torch.isfinite(used).all():
-            bad = used[~torch.isfinite(used)][0].item()
-            raise FloatingPointError(
-                f"The policy's token log-probs are no longer finite ({bad}) at step {self.state.global_step}: its "
-                "weights or activations overflowed. Lower the learning rate, enable gradient clipping (max_grad_norm) "
-                "or use bf16/fp32 instead of fp16."
-            )
-
-    def _require_finite_loss(self, loss: torch.Tensor) -> None:
-        """Stop before backward, on every process together: a non-finite loss would put NaN into every weight."""
-        with self._failures_reach_every_process("checking the loss"):
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"The loss is {loss.item()} at step {self.state.global_step} although the policy's log-probs are "
-                    "finite: a term overflowed (the KL to the reference, once the policy is far from it) or the "
-                    "rollout's old, reference or vLLM log-probs are not finite. Lower the learning rate, enable "
-                    "gradient clipping (max_grad_norm) or use bf16/fp32 instead of fp16."
-                )
-
-    def _rows_to_train(self, inputs: RolloutBatch, mode: str) -> torch.Tensor | None:
-        """The step batch's rows whose gradient can be non-zero (``F.rows_with_gradient``); None: every row."""
-        if mode != "train" or "rows_with_gradient" not in inputs:
-            return None
-        if self.state.global_step == inputs["rollout_step"]:
-            return inputs["rows_with_gradient_at_rollout"]
-        return inputs["rows_with_gradient"]
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):
         inputs = self._prepare_inputs(inputs)

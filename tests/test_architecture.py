@@ -1,67 +1,73 @@
-"""The layering docs/architecture.md describes: each module imports, when it loads, only modules above it."""
+"""The shape docs/architecture.md describes, kept by rule: every module imports only modules below it (at load, under
+``if TYPE_CHECKING:`` or inside a function alike), nothing but the trainer reads the trainer's private state, the
+ground floor imports nothing of ours, and no file, class or function outgrows its size."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "targetpo"
 
-# The order of docs/architecture.md's module table (a package's __init__ after the modules it gathers).
-LAYERS = [
-    "functional",
-    "step.layout",
-    "config.fields",
-    "config",
-    "batch",
-    "objectives.regularisers",
-    "callbacks",
-    "modeling.vision",
-    "data",
-    "episodes.tools",
-    "generation.base",
-    "generation.sampling",
-    "generation.server_auth",
-    "generation.kv_cache",
-    "generation.transformers_backend",
-    "generation",
-    "episodes.multi_turn",
-    "modeling.loading",
-    "modeling.output_head",
-    "modeling.packing",
-    "modeling.shared_prompt",
-    "modeling.logps",
-    "distributed",
-    "step.token_budget",
-    "step.forward",
-    "objectives.registry",
-    "rewards",
-    "config.preflight",
-    "reporting.completions",
-    "reporting.metrics",
-    "reporting.run_summary",
-    "rollout.prompts",
-    "rollout.scheduler",
-    "rollout.no_signal",
-    "rollout.sources",
-    "rollout.scoring",
-    "step.split_groups",
-    "trainer",
-    "",  # targetpo/__init__.py
-    "cli",
-    "demo",
-    "episodes",
-    "generation.gloo_transfer",
-    "generation.serve",
-    "generation.vllm_backend",
-    "generation.vllm_server",
-    "modeling",
-    "modeling.triton_head",
-    "objectives",
-    "reporting",
-    "rollout",
-    "step",
-]
+# docs/architecture.md's floors, from the ground up; within a floor, a module may import those listed before it.
+# A package's __init__ comes after the modules it gathers.
+FLOORS = {
+    "the record and the math": ["functional", "batch"],
+    "settings": ["step.layout", "config.fields", "config"],
+    "parts": [
+        "objectives.regularisers",
+        "callbacks",
+        "generation.base",
+        "modeling.vision",
+        "data",
+        "episodes.tools",
+        "generation.sampling",
+        "generation.server_auth",
+        "generation.kv_cache",
+        "generation.transformers_backend",
+        "distributed",
+        "modeling.loading",
+        "generation.vllm_backend",
+        "generation.gloo_transfer",
+        "generation.vllm_server",
+        "generation",
+        "generation.serve",
+        "episodes.multi_turn",
+        "episodes",
+        "modeling.output_head",
+        "modeling.packing",
+        "modeling.shared_prompt",
+        "modeling.triton_head",
+        "modeling.logps",
+        "modeling",
+    ],
+    "the loss": [
+        "step.token_budget",
+        "step.forward",
+        "objectives.registry",
+        "objectives",
+        "rewards",
+        "config.preflight",
+    ],
+    "reporting": ["reporting.completions", "reporting.metrics", "reporting.run_summary", "reporting"],
+    "rollouts": [
+        "rollout.prompts",
+        "rollout.context",
+        "rollout.sources",
+        "rollout.scheduler",
+        "rollout.no_signal",
+        "rollout.scoring",
+        "rollout",
+    ],
+    "the step": ["step.plan", "step.split_groups", "step.run", "step"],
+    "the trainer": ["trainer", "", "cli", "demo"],  # "": targetpo/__init__.py
+}
+LAYERS = [module for floor in FLOORS.values() for module in floor]
+
+#: The sizes the house keeps (lines, def or class line to last line, docstrings included).
+TRAINER_FILE_LINES, TRAINER_CLASS_LINES, FUNCTION_LINES, CLASS_LINES, CONFIG_METHOD_LINES = 500, 450, 60, 450, 120
+CONFIG_CLASSES = {"GRPOConfig", "TargetPOConfig"}
 
 
 def module_name(path: Path) -> str:
@@ -69,13 +75,21 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_at_load(path: Path) -> set[str]:
-    """The package's own modules a file imports at its top level (``if TYPE_CHECKING:`` and function bodies aside)."""
+def imports_of(path: Path) -> set[str]:
+    """The package's own modules a file imports anywhere: at load, under ``if TYPE_CHECKING:``, inside functions."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
-        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(
+                alias.name.removeprefix("targetpo.") for alias in node.names if alias.name.startswith("targetpo.")
+            )
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == 0:  # absolute: ``from targetpo.x import y``
+            if node.module == "targetpo" or (node.module or "").startswith("targetpo."):
+                found.add(node.module.removeprefix("targetpo").removeprefix("."))
             continue
         base = package.split(".") if package else []
         base = base[: len(base) - (node.level - 1)]
@@ -86,23 +100,38 @@ def imports_at_load(path: Path) -> set[str]:
     return found
 
 
-def test_every_module_is_placed_in_the_layering():
+def sources() -> dict[str, str]:
+    return {module_name(path): path.read_text() for path in PACKAGE.rglob("*.py")}
+
+
+def test_every_module_is_placed_on_a_floor():
     modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
-    assert modules == set(LAYERS), "add the module to LAYERS and to docs/architecture.md's table, in its place"
+    assert modules == set(LAYERS), "add the module to FLOORS and to docs/architecture.md, in its place"
+    assert len(LAYERS) == len(set(LAYERS))
 
 
-def test_each_module_imports_only_modules_above_it():
+def test_each_module_imports_only_modules_below_it_type_checking_and_function_imports_included():
     rank = {name: place for place, name in enumerate(LAYERS)}
     upward = [
         f"{module_name(path) or 'targetpo'} imports {imported}"
         for path in PACKAGE.rglob("*.py")
-        for imported in imports_at_load(path)
+        for imported in imports_of(path)
         if rank[imported] >= rank[module_name(path)]
     ]
     assert upward == []
 
 
-def test_the_math_imports_nothing_of_ours_and_only_the_package_imports_the_trainer():
-    assert imports_at_load(PACKAGE / "functional.py") == set()
-    importers = {module_name(path) for path in PACKAGE.rglob("*.py") if "trainer" in imports_at_load(path)}
+def test_the_ground_floor_imports_nothing_of_ours_and_only_the_package_imports_the_trainer():
+    for module in FLOORS["the record and the math"]:
+        assert imports_of(PACKAGE / f"{module}.py") == set(), module
+    importers = {module_name(path) for path in PACKAGE.rglob("*.py") if "trainer" in imports_of(path)}
     assert importers == {""}
+
+
+def test_no_module_but_the_trainer_reads_its_private_state():
+    reads = {
+        module: re.findall(r"\btrainer\._[a-z]\w*", source)
+        for module, source in sources().items()
+        if module != "trainer"
+    }
+    assert {module: found for module, found in reads.items() if found} == {}

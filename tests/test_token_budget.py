@@ -215,7 +215,7 @@ def with_sampler_logps(trainer):
     completions and the correction is switched on by hand, as use_vllm=True with vllm_importance_sampling_correction
     would."""
     trainer.rollout_backend = FixedCompletionsWithSamplerLogps(trainer.processing_class, 0)
-    trainer._importance_sampling = True
+    trainer._step.importance_sampling = True
 
 
 def test_importance_weights_of_rows_a_first_use_skips_reach_their_later_uses(tmp_path):
@@ -256,7 +256,7 @@ def test_the_first_use_completes_the_old_log_probs_pass_by_pass(tmp_path, case):
     reference = train(str(tmp_path / "one_pass"), on_trainer=count_forward_passes, **settings)
     budgeted = train(str(tmp_path / "passes"), on_trainer=count_forward_passes, max_tokens_per_micro_batch=budget,
                      **settings)
-    assert budgeted._old_logps_at_first_use
+    assert budgeted._plan.old_logps_at_first_use
     assert reference.forwards_without_gradient == budgeted.forwards_without_gradient == 0
     assert budgeted.forwards_with_gradient >= 2 * reference.forwards_with_gradient
     assert_same_weights_after_every_step(budgeted.recorded, reference.recorded)
@@ -270,7 +270,7 @@ def test_importance_weights_built_pass_by_pass_at_the_first_use_serve_the_later_
     for name, budget in (("one_pass", None), ("passes", 40)):
         runs[name] = train(str(tmp_path / name), max_tokens_per_micro_batch=budget, on_trainer=with_sampler_logps,
                            **settings)
-    assert runs["passes"]._old_logps_at_first_use
+    assert runs["passes"]._plan.old_logps_at_first_use
     assert logged(runs["one_pass"], "vllm/importance_weight_mean")[0] != pytest.approx(1.0)
     assert_same_weights_after_every_step(runs["passes"].recorded, runs["one_pass"].recorded)
     for name in ("vllm/importance_weight_mean", "vllm/logp_abs_diff"):
@@ -409,7 +409,7 @@ def test_a_rollout_with_a_sequence_the_budget_cannot_hold_stops_at_the_rollout(t
     with pytest.raises(ValueError, match=r"cannot hold the row \d+ \(2\d tokens\)") as raised:
         train(str(tmp_path), loss_type="grpo", max_tokens_per_micro_batch=20, per_device_train_batch_size=8,
               max_steps=1, on_trainer=longer, **PROMPT_LIMIT)
-    assert any(entry.name == "_finish_rollout" for entry in raised.traceback)  # before any pass
+    assert any(entry.name == "prepare_rollout" for entry in raised.traceback)  # before any pass
 
 
 def test_an_overridden_compute_loss_is_refused_with_a_budget(tmp_path):

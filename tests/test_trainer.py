@@ -173,7 +173,7 @@ def test_single_use_rollout_makes_no_extra_forward(tmp_path, tiny_model, tokeniz
     trainer = TargetPOTrainer(
         tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
-    assert not trainer._needs_old_logps
+    assert not trainer._plan.needs_old_logps
     trainer.train()
     assert recorder.calls == 3  # one forward per step: old log-probs are the detached current ones
 
@@ -184,7 +184,7 @@ def test_gradient_accumulation_over_a_rollout_needs_no_old_logps(tmp_path, tiny_
     trainer = TargetPOTrainer(
         tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
-    assert args.generation_batch_size == 16 and not trainer._needs_old_logps
+    assert args.generation_batch_size == 16 and not trainer._plan.needs_old_logps
     trainer.train()
     assert recorder.calls == 4  # 2 optimiser steps x 2 micro-steps, nothing at rollout
 
@@ -208,7 +208,7 @@ def test_several_iterations_freeze_q_at_rollout(tmp_path, tiny_model, tokenizer,
     trainer = TargetPOTrainer(
         tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
-    assert trainer._needs_old_logps
+    assert trainer._plan.needs_old_logps
     trainer.train()
     # 4 steps and no pass for old log-probs: the first step over each rollout trains every row at its weights.
     assert recorder.calls == 4

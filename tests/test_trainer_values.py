@@ -609,7 +609,7 @@ def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer, sett
     trainer = TargetPOTrainer(
         model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
     )
-    trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
+    trainer._step.importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
     trainer.model.train()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_attention_mask"])
@@ -661,7 +661,7 @@ def importance_sampling_trainer(tmp_path, tokenizer, **overrides):
     trainer = TargetPOTrainer(
         model, letter_score, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer
     )
-    trainer._importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
+    trainer._step.importance_sampling = True  # what use_vllm=True switches on, the engine being the sampler
     trainer.model.train()
     return model, args, trainer
 

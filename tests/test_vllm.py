@@ -1069,7 +1069,7 @@ def test_colocate_engine_samples_with_the_generation_kwargs_the_trainers_log_pro
     with pytest.warns(UserWarning, match=r"correction is switched off: sampling is reshaped by generation_kwargs\['top_k'\]"):
         trainer = make_trainer(args)
     try:
-        assert not trainer._importance_sampling
+        assert not trainer._step.importance_sampling
         params = make_sampling_params(trainer.rollout_backend.fields, seed=0)
         assert params.temperature == 0.5 and params.top_k == 2 and params.max_tokens == 6
         trainer.model.train()

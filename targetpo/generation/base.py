@@ -291,3 +291,12 @@ def pad_completions(
     if weight_versions is not None:
         completions.weight_versions = torch.tensor(list(weight_versions), dtype=torch.long, device=device)
     return completions
+
+
+def check_takes_images(backend: RolloutBackend) -> None:
+    """Refuse a backend that cannot generate from prompts with images."""
+    if not getattr(backend, "takes_images", False):
+        raise ValueError(
+            f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` is "
+            "not True): generate with one that does (model.generate or vLLM), or give prompts without images."
+        )

@@ -32,10 +32,15 @@ from ..generation import (
     build_rollout_backend,
     close_at_exit,
 )
+from ..generation.base import check_takes_images
 
 if TYPE_CHECKING:
     from ..episodes.tools import AsyncRunner
-    from ..trainer import TargetPOTrainer
+    from .context import RolloutContext
+    from .sources import RolloutSource
+
+#: ``make_rollout(rows, mode)``: generate, score and whiten one rollout of these dataset rows.
+MakeRollout = Callable[[list[dict[str, Any]], str], RolloutBatch]
 
 
 @dataclass
@@ -70,9 +75,18 @@ class EpisodesAhead:
 class RolloutScheduler:
     """The rollout buffer, rollouts generated ahead, weight pushes and the rollout backend of one trainer."""
 
-    def __init__(self, trainer: TargetPOTrainer, async_runner: AsyncRunner):
-        self.trainer = trainer  # its step, its model and its ``_rollout``, read when they are needed
+    def __init__(
+        self,
+        context: RolloutContext,
+        async_runner: AsyncRunner,
+        make_rollout: MakeRollout,
+        lookahead_use: int | None = None,
+    ):
+        self.context = context
         self.async_runner = async_runner
+        self.make_rollout = make_rollout
+        self.lookahead_use = lookahead_use  # the use at which the next rollout starts ahead (async_rollouts)
+        self.source: RolloutSource | None = None  # where rollouts come from; set once the source is built
         self._backend: RolloutBackend | None = None  # the one rollouts use
         self.built_backend: RolloutBackend | None = None  # the one this scheduler built, and closes
         self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
@@ -93,24 +107,24 @@ class RolloutScheduler:
         if playing is not None:
             return playing
         if self._backend is None:
-            trainer, args = self.trainer, self.trainer.args
+            context, args = self.context, self.context.args
             max_model_len = None
-            if trainer._max_prompt_tokens is not None:
+            if context.max_prompt_tokens is not None:
                 # Room for the longest prompt and completion, within what the model's positions allow.
-                max_model_len = trainer._max_prompt_tokens + args.max_completion_length
+                max_model_len = context.max_prompt_tokens + args.max_completion_length
             self._backend = self.built_backend = build_rollout_backend(
                 args,
-                trainer.accelerator,
-                trainer.accelerator.unwrap_model(trainer.model),
-                trainer.sampling,
+                context.accelerator,
+                context.accelerator.unwrap_model(context.model()),
+                context.sampling,
                 _weak_method(self.generation_model),  # the backend, closed when the trainer goes, must not keep it
-                trainer._sharded,
+                context.sharded,
                 max_model_len,
-                trainer._processor or trainer._tokenizer,
+                context.processing_class,
             )
-            # The finalizer holds the backend, not the trainer: it runs at `close()`, when the trainer is collected,
-            # or at the interpreter's exit, whichever comes first.
-            self._backend_closer = weakref.finalize(trainer, close_at_exit, self.built_backend)
+            # The finalizer holds the backend, not this scheduler: it runs at `close()`, when the scheduler (with its
+            # trainer) is collected, or at the interpreter's exit, whichever comes first.
+            self._backend_closer = weakref.finalize(self, close_at_exit, self.built_backend)
             self.weights_version = None
         return self._backend
 
@@ -143,10 +157,10 @@ class RolloutScheduler:
     # ------------------------------------------------------------------------------------------------ weights
     def generation_model(self) -> contextlib.AbstractContextManager[nn.Module]:
         """The policy as ``generate`` needs it: unwrapped from its engine, sharded weights gathered if so configured."""
-        trainer = self.trainer
+        context = self.context
         # vLLM takes the full weights whatever the setting: they are gathered for the push.
-        gather = trainer.args.ds3_gather_for_generation or trainer.args.use_vllm
-        return full_model_for_generation(trainer.accelerator, trainer.model_wrapped, gather)
+        gather = context.args.ds3_gather_for_generation or context.args.use_vllm
+        return full_model_for_generation(context.accelerator, context.engine_model(), gather)
 
     def forget_weights(self) -> None:
         """The policy's weights changed without an optimiser step (a new run, a loaded checkpoint): push them again."""
@@ -154,15 +168,15 @@ class RolloutScheduler:
 
     def sync_weights(self) -> None:
         """Give the rollout backend the current weights, at most once per optimiser step, if it keeps its own."""
-        backend, step = self.backend, self.trainer.state.global_step
+        backend, step = self.backend, self.context.global_step()
         if not backend.holds_weights or self.weights_version == step:
             return
         started = time.perf_counter()
         with self.generation_model() as model:
             backend.sync_weights(model, step)
         self.weights_version = step
-        mode = "train" if self.trainer.model.training else "eval"
-        self.trainer._metrics[mode]["rollout/weight_sync_seconds"].append(time.perf_counter() - started)
+        mode = "train" if self.context.training else "eval"
+        self.context.metrics[mode]["rollout/weight_sync_seconds"].append(time.perf_counter() - started)
 
     def push_weights_while_generating(self) -> None:
         """After an optimiser step: a rollout being generated ahead goes on with the new weights at once."""
@@ -173,14 +187,14 @@ class RolloutScheduler:
     def step_batch(self, rows: list[dict[str, Any]]) -> RolloutBatch:
         """The training step batch these tagged rows stand for: use 0 makes a new rollout (so does a resumed run, which
         may begin mid-rollout); uses cycle through the step batches, ``num_iterations`` times."""
-        trainer, args = self.trainer, self.trainer.args
+        args = self.context.args
         use = self.use = rows[0][ROLLOUT_USE]
         upcoming = [row.get(UPCOMING_ROW) for row in rows]
         self.rollout_indices = [row.get(ROW_INDEX) for row in rows]
         if self.buffer is None or use == 0:
-            rollout = trainer._rollout([_untagged(row) for row in rows], mode="train")
+            rollout = self.make_rollout([_untagged(row) for row in rows], "train")
             self.buffer = rollout.step_batches(args.per_device_train_batch_size)
-        if use == trainer._lookahead_use and upcoming[0] is not None:
+        if use == self.lookahead_use and upcoming[0] is not None:
             self.start_upcoming([row[ROW_INDEX] for row in upcoming], [_untagged(row) for row in upcoming])
         return self.buffer[use % args.steps_per_generation]
 
@@ -188,45 +202,43 @@ class RolloutScheduler:
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, mode: str, images: PromptImages | None = None
     ) -> Completions:
         """This rollout's completions: the ones generated ahead for these prompts (and images), or generated now."""
-        trainer = self.trainer
-        backend = self.backend
+        context, backend = self.context, self.backend
         pending = self.take_upcoming(prompt_ids, prompt_mask, images) if mode == "train" else None
         if pending is None:
             self.sync_weights()  # collective where weights are gathered: outside the guarded block
         started = time.perf_counter()
-        with trainer._failures_reach_every_process("generating the completions", local=not backend.collective):
+        with context.guard("generating the completions", local=not backend.collective):
             if pending is None:
                 pending = self.start_generating(prompt_ids, prompt_mask, images)
             completions = pending.result()
-        trainer._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
+        context.metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
         self.record_staleness(completions, mode)
         return completions
 
     def record_staleness(self, completions: Completions, mode: str) -> None:
         """Optimiser steps between the weights of each completion's oldest token and the current ones (collective)."""
-        trainer = self.trainer
+        context = self.context
         if completions.weight_versions is None:
             return
         known = completions.weight_versions >= 0
-        staleness = trainer.accelerator.gather(
-            torch.where(known, trainer.state.global_step - completions.weight_versions, -1)
+        staleness = context.accelerator.gather(
+            torch.where(known, context.global_step() - completions.weight_versions, -1)
         )
         staleness = staleness[staleness >= 0].float()
         if staleness.numel() > 0:
-            trainer._metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
-            trainer._metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
+            context.metrics[mode]["rollout/staleness_mean"].append(staleness.mean().item())
+            context.metrics[mode]["rollout/staleness_max"].append(staleness.max().item())
 
     def start_upcoming(self, indices: list[int], rows: list[dict[str, Any]]) -> None:
         """Start the next rollout (async_rollouts) from the rows it will hold (``indices`` in the dataset): its
         generation, or its episodes, played ahead."""
         if self.upcoming is not None:  # a resumed run can meet a lookahead before using the previous one
             self.upcoming.cancel()
-        source = self.trainer._rollout_source
         self.sync_weights()
-        if source.plays_episodes:
+        if self.source.plays_episodes:
             self.upcoming = self.play_ahead(indices, rows)
             return
-        prompts = self.trainer._prompt_encoder.encode(rows)
+        prompts = self.context.prompt_encoder.encode(rows)
         pending = self.start_generating(prompts.ids, prompts.mask, prompts.images)
         self.upcoming = UpcomingRollout(prompts.ids, prompts.mask, pending, prompts.images)
 
@@ -248,7 +260,7 @@ class RolloutScheduler:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # drawn here, on the training thread: from the run's seed
         if self._episode_player is None:
             self._episode_player = ThreadPoolExecutor(max_workers=1, thread_name_prefix="targetpo-episodes")
-        source, cancelled = self.trainer._rollout_source, threading.Event()
+        source, cancelled = self.source, threading.Event()
 
         def play() -> Any:
             # Ready once the rollout before it (cancelled, maybe finishing a tool call) has left the thread.
@@ -275,12 +287,12 @@ class RolloutScheduler:
         upcoming, self.upcoming = self.upcoming, None
         if not isinstance(upcoming, EpisodesAhead):  # the same on every process
             return None
-        trainer = self.trainer
+        context = self.context
         same = upcoming.indices == self.rollout_indices
-        if not bool(trainer.accelerator.gather(torch.tensor([same], device=trainer.accelerator.device)).all()):
+        if not bool(context.accelerator.gather(torch.tensor([same], device=context.accelerator.device)).all()):
             upcoming.cancel()  # e.g. a run resumed mid-epoch: the rows it guessed are not the ones to train on
             return None
-        with trainer._failures_reach_every_process("playing the episodes ahead"):
+        with context.guard("playing the episodes ahead"):
             return upcoming.played.result()
 
     def start_generating(
@@ -304,19 +316,10 @@ class RolloutScheduler:
             and bool((upcoming.prompt_ids == prompt_ids).all() and (upcoming.prompt_mask == prompt_mask).all())
             and same_model_inputs(upcoming.images, images)
         )
-        if bool(self.trainer.accelerator.gather(torch.tensor([same], device=prompt_ids.device)).all()):
+        if bool(self.context.accelerator.gather(torch.tensor([same], device=prompt_ids.device)).all()):
             return upcoming.pending
         upcoming.pending.cancel()  # e.g. a run resumed mid-epoch: the prompts it guessed are not the ones to train on
         return None
-
-
-def check_takes_images(backend: RolloutBackend) -> None:
-    """Refuse a backend that cannot generate from prompts with images."""
-    if not getattr(backend, "takes_images", False):
-        raise ValueError(
-            f"The rollout backend {type(backend).__name__} does not take prompts with images (its `takes_images` is "
-            "not True): generate with one that does (model.generate or vLLM), or give prompts without images."
-        )
 
 
 def same_model_inputs(first: PromptImages | None, second: PromptImages | None) -> bool:

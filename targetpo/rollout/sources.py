@@ -29,6 +29,7 @@ from torch import nn
 
 from ..episodes.multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
 from ..generation import Completions, PromptImages, unpadded_prompts
+from ..generation.base import check_takes_images
 from ..modeling.loading import max_positions
 from ..modeling.vision import (
     EncodedPrompts,
@@ -40,10 +41,9 @@ from ..modeling.vision import (
 )
 from ..rewards import REWARD_ARGUMENTS
 from .prompts import PromptEncoder, RolloutPrompts
-from .scheduler import check_takes_images
 
 if TYPE_CHECKING:
-    from ..trainer import TargetPOTrainer
+    from .context import RolloutContext, RolloutService
 
 
 @dataclass
@@ -94,8 +94,8 @@ class RolloutSource(ABC):
     #: ahead on a thread of its own (:meth:`play_ahead`) rather than only generating ahead.
     plays_episodes = False
 
-    def __init__(self, trainer: TargetPOTrainer):
-        self.trainer = trainer
+    def __init__(self, context: RolloutContext, scheduler: RolloutService):
+        self.context, self.scheduler = context, scheduler
 
     def collect(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
         """The rollout of ``rows``: its completions, the rows' other columns for the rewards, padded as configured."""
@@ -103,9 +103,9 @@ class RolloutSource(ABC):
         rollout = self.generate(rows, mode)
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         rollout.columns = {**columns, **rollout.columns}
-        multiple = self.trainer.args.pad_to_multiple_of
+        multiple = self.context.args.pad_to_multiple_of
         if multiple is not None:
-            rollout = rollout.padded_to_multiple(multiple, self.trainer.sampling.pad_token_id)
+            rollout = rollout.padded_to_multiple(multiple, self.context.sampling.pad_token_id)
         return rollout
 
     @abstractmethod
@@ -121,8 +121,8 @@ class GeneratedRollouts(RolloutSource):
     """The rollout backend completes each prompt (text, or with its images) once."""
 
     def generate(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
-        prompts = self.trainer._prompt_encoder.encode(rows)
-        completions = self.trainer._scheduler.completions(prompts.ids, prompts.mask, mode, prompts.images)
+        prompts = self.context.prompt_encoder.encode(rows)
+        completions = self.scheduler.completions(prompts.ids, prompts.mask, mode, prompts.images)
         return SourcedRollout(prompts.prompts, prompts.ids, prompts.mask, completions).with_images_of(prompts.encoded)
 
 
@@ -154,7 +154,7 @@ def _own_copy(row: dict[str, Any]) -> dict[str, Any]:
     return copied
 
 
-#: ``guard(what, local)``: the trainer's ``_failures_reach_every_process``, or nothing on a thread playing ahead.
+#: ``guard(what, local)``: the context's guard on the training thread, or nothing on a thread playing ahead.
 PlayGuard = Callable[..., contextlib.AbstractContextManager]
 
 
@@ -182,29 +182,29 @@ class EpisodeRollouts(RolloutSource):
 
     plays_episodes = True
 
-    def __init__(self, trainer: TargetPOTrainer):
-        super().__init__(trainer)
+    def __init__(self, context: RolloutContext, scheduler: RolloutService):
+        super().__init__(context, scheduler)
         self._ahead_player: Player | None = None
 
     def generate(self, rows: list[dict[str, Any]], mode: str) -> SourcedRollout:
-        trainer = self.trainer
+        context, scheduler = self.context, self.scheduler
         started = time.perf_counter()
-        played = trainer._scheduler.take_played() if mode == "train" else None
+        played = scheduler.take_played() if mode == "train" else None
         if played is None:
-            trainer._scheduler.sync_weights()  # collective where weights are gathered: outside the guarded blocks
+            scheduler.sync_weights()  # collective where weights are gathered: outside the guarded blocks
             started = time.perf_counter()  # the wait for the episodes, not for the weight push
-            now = Player(trainer._failures_reach_every_process, trainer._prompt_encoder, trainer._tool_loop, NOW, False)
+            now = Player(context.guard, context.prompt_encoder, context.tool_loop, NOW, False)
             played = self.play(rows, now)
-        trainer._metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
+        context.metrics[mode]["rollout/generation_wait_seconds"].append(time.perf_counter() - started)
         sourced = self.finish(played, mode)
-        trainer._scheduler.record_staleness(sourced.completions, mode)
+        scheduler.record_staleness(sourced.completions, mode)
         return sourced
 
     def play_ahead(self, rows: list[dict[str, Any]]) -> Any:
         if self._ahead_player is None:  # made once: one thread plays ahead, one rollout at a time
-            trainer = self.trainer
-            tool_loop = trainer._tool_loop.for_another_thread() if trainer._tool_loop is not None else None
-            encoder = trainer._prompt_encoder.for_another_thread()
+            context = self.context
+            tool_loop = context.tool_loop.for_another_thread() if context.tool_loop is not None else None
+            encoder = context.prompt_encoder.for_another_thread()
             self._ahead_player = Player(_unguarded, encoder, tool_loop, AHEAD, True)
         return self.play(own_copies(rows), self._ahead_player)
 
@@ -231,16 +231,16 @@ class ToolRollouts(EpisodeRollouts):
     """Each sample calls tools (or its environment's methods) over several turns of generation."""
 
     def play(self, rows: list[dict[str, Any]], player: Player) -> PlayedConversations:
-        trainer = self.trainer
+        context = self.context
         environments = None
-        if trainer._environments is None:
-            prompts, toolboxes = [row["prompt"] for row in rows], [trainer._toolbox] * len(rows)
+        if context.environments is None:
+            prompts, toolboxes = [row["prompt"] for row in rows], [context.toolbox] * len(rows)
         else:  # each environment's reset() adds to its row's prompt (or makes it up, for a row without one)
             with player.guard("starting the environments"):
-                environments, prompts, toolboxes = trainer._environments.start(rows, player.lane)
+                environments, prompts, toolboxes = context.environments.start(rows, player.lane)
         tools = [toolbox.schemas for toolbox in toolboxes]  # each row's environment shows its own tools
         encoded = player.encoder.encode(rows, prompts, tools)
-        backend = trainer._scheduler.backend
+        backend = self.scheduler.backend
         images_of_turn = None
         if encoded.images is not None:
             check_takes_images(backend)
@@ -260,7 +260,7 @@ class ToolRollouts(EpisodeRollouts):
         columns = {}
         if played.environments is not None:
             columns["environments"] = played.environments
-            self.trainer._environments.latest = played.environments  # what `trainer.environments` shows
+            self.context.environments.latest = played.environments  # what `trainer.environments` shows
         sourced = SourcedRollout(
             encoded.prompts,
             encoded.ids,
@@ -273,9 +273,9 @@ class ToolRollouts(EpisodeRollouts):
         return _with_tool_images(sourced, rollout.images, rollout.completion_aligned)
 
     def _record_tool_metrics(self, rollout: MultiTurnRollout, mode: str, device: torch.device) -> None:
-        metrics = self.trainer._metrics[mode]
+        metrics = self.context.metrics[mode]
         calls, failures, turns = (
-            self.trainer.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=device))
+            self.context.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=device))
             for values in (rollout.tool_calls, rollout.tool_failures, rollout.turns)
         )
         metrics["tools/call_frequency"].append(calls.mean().item())
@@ -283,7 +283,7 @@ class ToolRollouts(EpisodeRollouts):
         metrics["multi_turn/turns_per_sample"].append(turns.mean().item())
 
     def _any_process(self, active: bool) -> bool:
-        accelerator = self.trainer.accelerator
+        accelerator = self.context.accelerator
         return bool(accelerator.gather(torch.tensor([active], device=accelerator.device)).any())
 
 
@@ -353,20 +353,20 @@ class FunctionRollouts(EpisodeRollouts):
 
     def _run(self, prompts: list[Any], player: Player) -> tuple[torch.Tensor, torch.Tensor, Completions, dict]:
         """Run ``rollout_func`` and check its result: prompt ids and mask, completions, extra fields."""
-        trainer = self.trainer
-        backend = trainer._scheduler.backend
+        context = self.context
+        backend = self.scheduler.backend
         # The function may generate with a collective backend itself, which a failure must not leave waiting.
         with player.guard("running rollout_func", local=not backend.collective):
-            result = trainer.rollout_func(copy.deepcopy(prompts), trainer)
+            result = context.run_rollout_func(copy.deepcopy(prompts))
         with player.guard("reading rollout_func's result"):
             prompt_lists, completions, extra = custom_rollout_completions(
                 result,
                 len(prompts),
-                trainer.sampling.eos_token_ids,
-                trainer.sampling.pad_token_id,
-                trainer._vocab_size,
-                trainer.accelerator.device,
-                max_positions(trainer.accelerator.unwrap_model(trainer.model)),
+                context.sampling.eos_token_ids,
+                context.sampling.pad_token_id,
+                context.vocab_size,
+                context.accelerator.device,
+                max_positions(context.accelerator.unwrap_model(context.model())),
             )
             clashes = (REWARD_ARGUMENTS | {"prompt"}) & set(extra)
             if clashes:
@@ -374,17 +374,17 @@ class FunctionRollouts(EpisodeRollouts):
                     f"rollout_func returned extra field(s) {sorted(clashes)}, which are reward-function arguments "
                     "already: rename them."
                 )
-        prompt_ids, prompt_mask = left_pad(prompt_lists, trainer.sampling.pad_token_id, trainer.accelerator.device)
+        prompt_ids, prompt_mask = left_pad(prompt_lists, context.sampling.pad_token_id, context.accelerator.device)
         return prompt_ids, prompt_mask, completions, extra
 
 
-def rollout_source(trainer: TargetPOTrainer) -> RolloutSource:
-    """The source the trainer's arguments ask for: ``rollout_func``, else tools or environments, else generation."""
-    if trainer.rollout_func is not None:
-        return FunctionRollouts(trainer)
-    if trainer._tool_loop is not None:
-        return ToolRollouts(trainer)
-    return GeneratedRollouts(trainer)
+def rollout_source(context: RolloutContext, scheduler: RolloutService) -> RolloutSource:
+    """The source the run asks for: ``rollout_func``, else tools or environments, else generation."""
+    if context.run_rollout_func is not None:
+        return FunctionRollouts(context, scheduler)
+    if context.tool_loop is not None:
+        return ToolRollouts(context, scheduler)
+    return GeneratedRollouts(context, scheduler)
 
 
 def _check_rollout_func_prompts(encoded: EncodedPrompts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from targetpo import TargetPOTrainer
+from targetpo.step.run import StepRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("target_po_example", ROOT / "examples" / "target_po.py")
@@ -39,7 +39,7 @@ example.BUILTIN_REWARDS["exact_reversal"] = recording(example.exact_reversal_rew
 example.BUILTIN_REWARDS["ones_after_a_leading_one"] = recording(ones_after_a_leading_one)
 
 rows_trained = []  # per training micro-step: how many of this process's rows went through the model for the loss
-original_rows_to_train = TargetPOTrainer._rows_to_train
+original_rows_to_train = StepRunner.rows_to_train
 
 
 def recording_rows_to_train(self, inputs, mode):
@@ -49,7 +49,7 @@ def recording_rows_to_train(self, inputs, mode):
     return rows
 
 
-TargetPOTrainer._rows_to_train = recording_rows_to_train
+StepRunner.rows_to_train = recording_rows_to_train
 
 
 def zero_stage(trainer):
