@@ -509,3 +509,33 @@ class RepeatSampler(Sampler[int]):
     def __len__(self) -> int:
         num_chunks = self.num_prompts // self.prompts_per_rollout
         return num_chunks * self.prompts_per_rollout * self.num_generations * self.repeat_count
+
+
+def training_sampler(args: Any, dataset_size: int, uses_per_rollout: int, lookahead: int | None) -> RepeatSampler:
+    """The training sampler: each rollout's rows, repeated for each of its ``uses_per_rollout`` micro-steps and tagged
+    with the use (and, with ``lookahead``, the next rollout's rows at that use)."""
+    return RepeatSampler(
+        dataset_size,
+        num_generations=args.num_generations,
+        prompts_per_rollout=args.generation_batch_size // args.num_generations,
+        repeat_count=uses_per_rollout,
+        shuffle=args.shuffle_dataset,
+        seed=args.seed if args.data_seed is None else args.data_seed,
+        tag_uses=True,
+        lookahead_use=lookahead,
+    )
+
+
+def training_stream(
+    args: Any, dataset: Any, uses_per_rollout: int, images_allowed: bool, prompt_optional: bool
+) -> RolloutStream:
+    """A streamed training dataset, read in order and repeated as :func:`training_sampler` repeats rows."""
+    return RolloutStream(
+        dataset,
+        num_generations=args.num_generations,
+        prompts_per_rollout=args.generation_batch_size // args.num_generations,
+        repeat_count=uses_per_rollout,
+        tag_uses=True,
+        images_allowed=images_allowed,
+        prompt_optional=prompt_optional,
+    )

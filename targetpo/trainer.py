@@ -51,6 +51,8 @@ from .data import (
     identity_collator,
     is_stream,
     stream_loader_settings,
+    training_sampler,
+    training_stream,
 )
 from .distributed import (
     check_engine_supported,
@@ -59,8 +61,8 @@ from .distributed import (
     prepare_frozen_model,
     shards_parameters,
 )
-from .episodes.multi_turn import EnvironmentPool, ToolLoop, check_multi_turn_arguments, with_environment_rewards
-from .episodes.tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
+from .episodes.multi_turn import EnvironmentPool, check_multi_turn_arguments, with_environment_rewards
+from .episodes.tools import AsyncRunner, Toolbox
 from .generation import RolloutBackend, SamplingSettings
 from .modeling.loading import (
     PromptLimit,
@@ -72,26 +74,21 @@ from .modeling.loading import (
     prepare_policy,
 )
 from .modeling.vision import is_processor
-from .objectives.registry import TrainingLoss, build_objective, trains_whole_groups
-from .objectives.regularisers import EntropyBonus, importance_sampling_applies
+from .objectives.registry import trains_whole_groups
+from .objectives.regularisers import EntropyBonus
 from .reporting.completions import (
-    RolloutTable,
-    log_completions_to_trackers,
-    print_completions_table,
-    push_completions_table,
+    CompletionsLog,
 )
 from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
-from .rollout.context import RolloutContext
+from .rollout.context import RolloutContext, build_tool_loop
 from .rollout.prompts import PromptEncoder
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
-from .step.forward import PolicyLogps
 from .step.plan import StepPlan, check_passes_supported
 from .step.run import StepRunner
-from .step.split_groups import SplitGroups
 
 
 class TargetPOTrainer(Trainer):
@@ -158,6 +155,58 @@ class TargetPOTrainer(Trainer):
             args.trust_remote_code,
             args.chat_template_kwargs,
         )
+        policy = self._load_policy(model, processing_class, args, train_dataset, eval_dataset, rollout_func)
+        policy, self.ref_model = prepare_policy(policy, args, peft_config)
+        super().__init__(
+            model=policy,
+            args=args,
+            data_collator=identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=self._processor or self._tokenizer,  # saved with every checkpoint
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.model_accepts_loss_kwargs = False
+        check_engine_supported(self.accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
+        destroy_gloo_group_at_exit()
+        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
+        self._sharded = shards_parameters(self.accelerator)
+        self._prepare_frozen_models()
+        self.sampling = SamplingSettings.from_config(args, self._tokenizer, self.accelerator.unwrap_model(self.model))
+        self._metrics = MetricsRecorder(self.accelerator)  # each metric's running mean since the last log
+        self._set_up_rollouts()
+        self._step = StepRunner.build(
+            self._plan,
+            args,
+            self.accelerator,
+            self.model,
+            self.sampling,
+            self._metrics,
+            self._failures_reach_every_process,
+            lambda: self.state.global_step,
+            self._record_targets,
+            self._group_size,
+            self._local_slice,
+            self._sharded,
+        )
+        if args.use_adaptive_entropy:
+            self.add_callback(OnOptimizerStep(self._step.loss.entropy_bonus.adapt))
+        # Each process samples its own completions (a group split over processes must not repeat itself), and the
+        # same seed still reproduces the same run.
+        set_seed(args.seed, device_specific=True)
+
+    def _load_policy(
+        self,
+        model: str | PreTrainedModel,
+        processing_class: Any,
+        args: TargetPOConfig,
+        train_dataset: Any,
+        eval_dataset: Any,
+        rollout_func: Any,
+    ) -> PreTrainedModel:
+        """The policy and its tokenizer (or processor), the datasets checked against them, and the prompt limit its
+        positions leave."""
         policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
         processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
         self._tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
@@ -180,30 +229,7 @@ class TargetPOTrainer(Trainer):
             prompt_length_is_default=args.max_prompt_length == TargetPOConfig.max_prompt_length,
         )
         self._max_prompt_tokens = self._prompt_limit.tokens
-        policy, self.ref_model = prepare_policy(policy, args, peft_config)
-        super().__init__(
-            model=policy,
-            args=args,
-            data_collator=identity_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=self._processor or self._tokenizer,  # saved with every checkpoint
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self.model_accepts_loss_kwargs = False
-        check_engine_supported(self.accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
-        destroy_gloo_group_at_exit()
-        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
-        self._sharded = shards_parameters(self.accelerator)
-        self._prepare_frozen_models()
-        self.sampling = SamplingSettings.from_config(args, self._tokenizer, self.accelerator.unwrap_model(self.model))
-        self._metrics = MetricsRecorder(self.accelerator)  # each metric's running mean since the last log
-        self._set_up_rollouts()
-        self._set_up_loss()
-        # Each process samples its own completions (a group split over processes must not repeat itself), and the
-        # same seed still reproduces the same run.
-        set_seed(args.seed, device_specific=True)
+        return policy
 
     def _set_up_tools(
         self,
@@ -264,7 +290,11 @@ class TargetPOTrainer(Trainer):
         # Multi-turn rollouts: the tools every prompt shows (an environment's come from a probe instance) and the loop.
         self._tool_schemas = self._environments.tool_schemas if self._environments else self._toolbox.schemas
         model = accelerator.unwrap_model(self.model)
-        self._tool_loop = self._build_tool_loop(model) if self._tool_loop_needed else None
+        self._tool_loop = None
+        if self._tool_loop_needed:
+            self._tool_loop = build_tool_loop(
+                args, tokenizer, self._tool_schemas, self.sampling, model, self._async_runner, self._processor
+            )
         self._prompt_encoder = PromptEncoder(
             tokenizer,
             self._processor,
@@ -291,8 +321,7 @@ class TargetPOTrainer(Trainer):
             self._scheduler.check_plays_ahead()  # every process's own connection, opened now
         self._rollout_count = 0
         self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
-        self._completion_table: RolloutTable | None = None
-        self._pushed_rollout: int | None = None  # the last rollout pushed to log_completions_hub_repo
+        self._completions = CompletionsLog(args)
         self._rollout_scorer = RolloutScorer(
             self.reward_scorer,
             tokenizer,
@@ -303,29 +332,6 @@ class TargetPOTrainer(Trainer):
             self._async_runner.run,
             self._sharded,
             self._prompt_encoder.render,
-        )
-
-    def _build_tool_loop(self, model: PreTrainedModel) -> ToolLoop:
-        """The loop of multi-turn rollouts: turns of generation with the tools' results between them."""
-        args, sampling = self.args, self.sampling
-        template = ConversationTemplate(
-            self._tokenizer,
-            self._tool_schemas,
-            sampling.eos_token_ids,
-            args.chat_template_kwargs,
-            model.config.model_type,
-            added_stop_token_ids=sampling.added_stop_token_ids,
-        )
-        return ToolLoop(
-            template,
-            args.max_completion_length,
-            args.max_tool_calling_iterations,
-            sampling.eos_token_ids,
-            sampling.pad_token_id,
-            self._async_runner,
-            ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
-            processor=self._processor,  # a vision-language policy: tool results may hold images
-            max_positions=max_positions(model),
         )
 
     def _rollout_context(self, model: PreTrainedModel) -> RolloutContext:
@@ -352,68 +358,6 @@ class TargetPOTrainer(Trainer):
             toolbox=self._toolbox,
             environments=self._environments,
             run_rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
-        )
-
-    def _set_up_loss(self) -> None:
-        """The loss: the objective loss_type names, the regularisers the run switches on, the token log-probs, and
-        the step that runs them."""
-        args, accelerator = self.args, self.accelerator
-        # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
-        text_config = accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
-        is_moe = getattr(text_config, "output_router_logits", None) is not None
-        self._objective = build_objective(args, accelerator, self._group_size, self._local_slice)
-        self._loss = TrainingLoss(
-            self._objective,
-            args,
-            accelerator,
-            self.sampling.reshapes_distribution,
-            router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
-        )
-        if args.use_adaptive_entropy:
-            self.add_callback(OnOptimizerStep(self._loss.entropy_bonus.adapt))
-        self._logps = self._policy_logps()
-        split_groups = None
-        if self._plan.groups_split:
-            split_groups = SplitGroups(
-                self._plan.layout,
-                accelerator,
-                self._logps,
-                args.tpo_length_normalize_logps,
-                lambda what: self._failures_reach_every_process(what, local=not self._sharded),
-            )
-        self._step = StepRunner(
-            self._plan,
-            self._objective,
-            self._loss,
-            self._logps,
-            accelerator,
-            self._metrics,
-            self._failures_reach_every_process,
-            lambda: self.state.global_step,
-            self._record_targets,
-            sharded=self._sharded,
-            importance_sampling=importance_sampling_applies(args, self.sampling),
-            split_groups=split_groups,
-        )
-
-    def _policy_logps(self) -> PolicyLogps:
-        """The policy's token log-probs as sampling saw them (``step/forward.py``)."""
-        args = self.args
-        return PolicyLogps.for_model(
-            self.model,
-            self.accelerator.unwrap_model(self.model),
-            self.sampling.temperature,
-            self.sampling.suppressed_token_ids,
-            self.accelerator.device,
-            self._sharded,
-            args.use_liger_kernel,
-            args.logps_chunk_size,
-            rows_per_pass=args.per_device_train_batch_size,
-            padding_free=args.padding_free,
-            head_kernel=args.logps_head_kernel,
-            token_budget=args.max_tokens_per_micro_batch,
-            autocast=self.accelerator.autocast,
-            share_prompts=args.share_prompt_forward,
         )
 
     @property
@@ -448,16 +392,7 @@ class TargetPOTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        sampler = RepeatSampler(
-            len(dataset),
-            num_generations=self.args.num_generations,
-            prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
-            repeat_count=self._plan.generate_every,
-            shuffle=self.args.shuffle_dataset,
-            seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
-            tag_uses=True,
-            lookahead_use=self._plan.lookahead_use,
-        )
+        sampler = training_sampler(self.args, len(dataset), self._plan.generate_every, self._plan.lookahead_use)
         if isinstance(dataset, RolloutRows):  # the epoch may reach the sampler through the rows (RolloutRows.set_epoch)
             dataset.sampler = sampler
         return sampler
@@ -471,30 +406,19 @@ class TargetPOTrainer(Trainer):
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
         # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time. A stream is read in
         # order and repeated the same way as it arrives.
+        batch_size = self.args.per_device_train_batch_size * self.args.steps_per_generation
         if is_stream(self.train_dataset):
-            stream = RolloutStream(
+            stream = training_stream(
+                self.args,
                 self.train_dataset,
-                num_generations=self.args.num_generations,
-                prompts_per_rollout=self.args.generation_batch_size // self.args.num_generations,
-                repeat_count=self._plan.generate_every,
-                tag_uses=True,
+                self._plan.generate_every,
                 images_allowed=self._images_need is None,
                 prompt_optional=self._environments is not None,
             )
             with stream_loader_settings(self.args, self.accelerator):
-                return self._get_dataloader(
-                    dataset=stream,
-                    description="Training",
-                    batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
-                    is_training=True,
-                )
-        return self._get_dataloader(
-            dataset=RolloutRows(self.train_dataset),
-            description="Training",
-            batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
+                return self._get_dataloader(stream, "Training", batch_size=batch_size, is_training=True)
+        rows = RolloutRows(self.train_dataset)
+        return self._get_dataloader(rows, "Training", batch_size, self._get_train_sampler, is_training=True)
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
         if isinstance(eval_dataset, str):  # the name of one of a dict's datasets (see `evaluate`)
@@ -586,14 +510,14 @@ class TargetPOTrainer(Trainer):
         extra_columns = self._rollout_scorer.record_reward_logs(scored.reward_logs, mode)
         if mode == "train" and self.args.log_completions:
             step, rollout = self.state.global_step, self._rollout_count
-            self._completion_table = self._rollout_scorer.completion_table(scored, step, rollout, extra_columns)
+            self._completions.table = self._rollout_scorer.completion_table(scored, step, rollout, extra_columns)
         self._step.build_targets(batch, advantages_all, valid_all, mode)
         self._rollout_scorer.record_metrics(scored, group_size, mode)
         return batch
 
     def _reference_logps(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference model's token log-probs of a rollout (beta > 0)."""
-        return self._logps.of_reference(batch, self.ref_model, self.model, self.accelerator.unwrap_model)
+        return self._step.logps.of_reference(batch, self.ref_model, self.model, self.accelerator.unwrap_model)
 
     def _failures_reach_every_process(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
         """``failures_reach_every_process`` on this process's device, for local work.
@@ -623,7 +547,7 @@ class TargetPOTrainer(Trainer):
 
     def _checkpoint_extras(self) -> tuple[EntropyBonus | None, nn.Module | None]:
         """What moves with training beyond the weights: the adaptive entropy bonus and the synced reference model."""
-        entropy_bonus = self._loss.entropy_bonus if self.args.use_adaptive_entropy else None
+        entropy_bonus = self._step.loss.entropy_bonus if self.args.use_adaptive_entropy else None
         synced = self.args.sync_ref_model and self.ref_model is not None
         return entropy_bonus, self.accelerator.unwrap_model(self.ref_model) if synced else None
 
@@ -649,7 +573,7 @@ class TargetPOTrainer(Trainer):
     def _token_logps(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token completion log-probs of ``batch`` (a RolloutBatch, or a dict of its four row tensors) under
         ``model``, as sampling saw them, and no entropies."""
-        logps = self._logps(model, batch)
+        logps = self._step.logps(model, batch)
         return logps.per_token, logps.entropies
 
     # ------------------------------------------------------------------------------------------------ loss
@@ -696,9 +620,8 @@ class TargetPOTrainer(Trainer):
     def _record_targets(self, batch: RolloutBatch, mode: str, valid: torch.Tensor | None = None) -> None:
         """The diagnostics of a freshly built q (``record_targets``), and q itself for the completions table."""
         sample_index, targets = record_targets(self._metrics, mode, batch, self._group_size(mode), valid)
-        table = self._completion_table
-        if mode == "train" and table is not None and table.rollout == batch.rollout:
-            table.fill_targets(sample_index.tolist(), targets.tolist())
+        if mode == "train":
+            self._completions.fill_targets(batch.rollout, sample_index, targets)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -707,26 +630,8 @@ class TargetPOTrainer(Trainer):
             averaged = {f"{self._eval_metric_prefix}_{name}": value for name, value in averaged.items()}
         logs.update(averaged)  # in place: `evaluate()` returns this same dict
         super().log(logs, start_time)
-        if (
-            mode == "train"
-            and self.args.log_completions
-            and self._completion_table is not None
-            and self.accelerator.is_main_process
-        ):
-            print_completions_table(self._completion_table, self.args.num_completions_to_print)
-            log_completions_to_trackers(self._completion_table, self.args.report_to or [], self.state.global_step)
-            if (
-                self.args.log_completions_hub_repo is not None
-                and self._pushed_rollout != self._completion_table.rollout
-            ):
-                pushed = push_completions_table(
-                    self._completion_table,
-                    self.args.log_completions_hub_repo,
-                    private=self.args.hub_private_repo,
-                    token=self.args.hub_token,
-                )
-                if pushed:  # each rollout once, at its first log; a failed push is tried again at the next log
-                    self._pushed_rollout = self._completion_table.rollout
+        if mode == "train" and self.accelerator.is_main_process:
+            self._completions.show(self.state.global_step)
 
 
 class GRPOTrainer(TargetPOTrainer):

@@ -442,7 +442,7 @@ def test_cast_lm_head_to_fp32_computes_the_log_probs_with_a_float32_head(tmp_pat
         hidden = model.model(input_ids=ids, attention_mask=attention, position_ids=positions).last_hidden_state
     with torch.no_grad():
         logits = hidden[:, batch["prompt_ids"].size(1) - 1 : -1].float() @ model.lm_head.weight.T
-    suppressed = trainer._logps.suppressed_token_ids
+    suppressed = trainer._step.logps.suppressed_token_ids
     logits[..., suppressed] = float("-inf")
     expected = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
     mask = batch["completion_attention_mask"].bool()
@@ -522,7 +522,7 @@ def test_cast_lm_head_to_fp32_computes_a_tied_head_in_float32_from_the_shared_bf
 
     def by_hand(logits):
         logits = logits.clone()
-        logits[..., trainer._logps.suppressed_token_ids] = float("-inf")
+        logits[..., trainer._step.logps.suppressed_token_ids] = float("-inf")
         return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
     mask = batch["completion_attention_mask"].bool()
@@ -600,10 +600,10 @@ def test_async_reward_functions_are_awaited_together(tmp_path, tiny_model, token
                               processing_class=tokenizer)
     trainer.model.train()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    texts = trainer._completion_table.completions
+    texts = trainer._completions.table.completions
     expected = [len(t) + 1.0 + t.count("a") for t in texts]
     assert batch["scores"].tolist() == pytest.approx(expected)
-    assert trainer._completion_table.rewards["second"] == [float(t.count("a")) for t in texts]
+    assert trainer._completions.table.rewards["second"] == [float(t.count("a")) for t in texts]
 
 
 async def _second_started(meeting):
@@ -640,7 +640,7 @@ def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, to
                        generation_kwargs=few_letters(tokenizer))
     trainer = TargetPOTrainer(tiny_model, judged, args=args, train_dataset=prompt_dataset, processing_class=tokenizer)
     trainer.train()
-    table = trainer._completion_table
+    table = trainer._completions.table
     lengths = [len(c) for c in table.completions]
     assert table.extra["verdict"] == ["long" if n > 2 else "short" for n in lengths]
     logged = trainer.state.log_history[0]["judge/mean_length"]
@@ -683,7 +683,7 @@ def test_log_completions_hub_repo_is_refused_offline_and_pushes_each_logged_tabl
         ("me/completions", "step_0", True), ("me/completions", "step_1", True)
     ]
     rows = pushed[-1][2]
-    assert rows["completion"] == trainer._completion_table.completions
+    assert rows["completion"] == trainer._completions.table.completions
     assert rows["reward"] == pytest.approx([float(len(c)) for c in rows["completion"]])
 
 
@@ -717,7 +717,7 @@ def test_a_failed_completions_push_warns_and_the_next_log_pushes_the_latest_tabl
         trainer.train()
     assert trainer.state.global_step == 4  # the failure ended nothing
     assert [split for split, _ in pushed[1:]] == ["step_0", "step_2"]  # each rollout once, the failed one retried
-    assert pushed[-1][1] == trainer._completion_table.completions
+    assert pushed[-1][1] == trainer._completions.table.completions
 
 
 # ------------------------------------------------------------------------------------------------ streams and dicts

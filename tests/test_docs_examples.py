@@ -437,7 +437,7 @@ def test_the_environment_examples_play_each_game_on_its_own_state_to_its_reward(
     assert logs["tools/call_frequency"] == pytest.approx(sum(calls) / rows)
     assert logs["tools/failure_frequency"] == 0
     # Each sample's reward is its own game's: 1 exactly when its conversation shows the answer "=".
-    table = trainer._completion_table
+    table = trainer._completions.table
     assert len(table.completions) == rows
     for conversation, reward in zip(table.completions, table.total_rewards):
         assert reward == float("tool guess: =" in conversation), conversation

@@ -68,7 +68,7 @@ def test_liger_is_not_used_where_it_cannot_stand_in_for_the_head(tmp_path, tiny_
         trainer = TargetPOTrainer(
             tiny_model, count_letters_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
         )
-    assert not trainer._logps.liger and trainer._logps.chunk_size == 512
+    assert not trainer._step.logps.liger and trainer._step.logps.chunk_size == 512
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")

@@ -161,13 +161,13 @@ def test_a_head_that_transforms_the_hidden_states_first_gets_the_full_logits_wit
         trainer = TargetPOTrainer(
             model, count_letters_reward, args=args, train_dataset=dataset, processing_class=tokenizer
         )
-    assert trainer._logps.chunk_size is None
+    assert trainer._step.logps.chunk_size is None
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
     mask = inputs[3].bool()
     model.eval()  # no dropout: the two computations see the same network
     with torch.no_grad():
-        got = trainer._logps(model, batch).per_token
+        got = trainer._step.logps(model, batch).per_token
         expected, _ = ref.token_logps(model, *inputs)
         chunked, _ = completion_logps(model, *inputs, chunk_size=512)  # what the chunked head would have given
     assert torch.allclose(got[mask], expected[mask], atol=1e-5)
@@ -190,12 +190,12 @@ def test_a_plain_head_keeps_the_chunked_head_without_a_warning(tmp_path, tiny_mo
         trainer = TargetPOTrainer(
             tiny_model, count_letters_reward, args=args, train_dataset=dataset, processing_class=tokenizer
         )
-    assert trainer._logps.chunk_size == 512
+    assert trainer._step.logps.chunk_size == 512
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     inputs = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
     mask = inputs[3].bool()
     with torch.no_grad():
-        got = trainer._logps(tiny_model, batch).per_token
+        got = trainer._step.logps(tiny_model, batch).per_token
         expected, _ = ref.token_logps(tiny_model, *inputs)
     assert torch.allclose(got[mask], expected[mask], atol=1e-5)
 
@@ -435,4 +435,4 @@ def test_the_default_trainer_computes_the_head_with_torch_on_the_cpu(tmp_path, t
     trainer = TargetPOTrainer(
         tiny_model, count_letters_reward, args=make_config(tmp_path), train_dataset=dataset, processing_class=tokenizer
     )
-    assert trainer._logps.head_kernel == "torch"
+    assert trainer._step.logps.head_kernel == "torch"

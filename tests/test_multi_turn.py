@@ -583,7 +583,7 @@ def test_environments_keep_state_per_sample_score_themselves_and_reach_reward_fu
     written = [sum(1 + len(m.get("tool_calls", [])) for m in c if m["role"] == "assistant") for c in conversations]
     assert logs["completions/mean_length"] == pytest.approx(sum(written) / len(written))
     assert logs["completions/max_length"] == max(written)
-    table = trainer._completion_table
+    table = trainer._completions.table
     assert any("tool guess: =" in text for text in table.completions)  # the table shows the conversation
 
 

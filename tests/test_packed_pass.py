@@ -231,7 +231,7 @@ def test_prompts_with_images_keep_the_padded_rows(tmp_path):
     assert model_packing_problem(trainer.model) is None  # its Llama text model packs: the images are the reason
     with pytest.warns(UserWarning, match="because the prompts have images"):
         logps, _ = trainer._token_logps(trainer.model, batch)
-    trainer._logps.padding_free = False
+    trainer._step.logps.padding_free = False
     assert torch.equal(logps, trainer._token_logps(trainer.model, batch)[0])
 
 

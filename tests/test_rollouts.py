@@ -405,4 +405,4 @@ def test_buffered_metrics_stay_the_same_size_when_nothing_logs(tmp_path, tiny_mo
     assert len(sizes) == 6
     for name in ("rollout/generation_wait_seconds", "completions/mean_length", "reward"):  # recorded every step
         assert [step[name] for step in sizes[1:]] == [sizes[0][name]] * 5, name
-    assert len(trainer._completion_table.completions) == 8  # the latest rollout only
+    assert len(trainer._completions.table.completions) == 8  # the latest rollout only

@@ -46,7 +46,7 @@ def train_reporting_to(tracker, tmp_path, seen):
     def log(logs, *rest):
         original(logs, *rest)
         if "loss" in logs:
-            table = trainer._completion_table
+            table = trainer._completions.table
             seen.append({"completion": list(table.completions), "reward": list(table.total_rewards)})
 
     trainer.log = log

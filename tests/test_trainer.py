@@ -112,7 +112,7 @@ def test_reward_functions_of_one_name_log_apart(tmp_path, tiny_model, tokenizer,
         assert entry["rewards/constant_score_1/mean"] == 1.0 and entry["rewards/constant_score_1/std"] == 0.0
         assert entry["rewards/constant_score_2/mean"] == 3.0 and entry["rewards/constant_score_2/std"] == 0.0
         assert entry["reward"] == 4.0
-    table = trainer._completion_table
+    table = trainer._completions.table
     assert table.rewards == {"constant_score_1": [1.0] * 8, "constant_score_2": [3.0] * 8}
 
 
@@ -288,7 +288,7 @@ def test_log_completions_prints_a_table(tmp_path, tiny_model, tokenizer, prompt_
     trainer.train()
     out = capsys.readouterr().out
     assert "Completions at step" in out and "Target q" in out and "letters_then_position_reward" in out
-    table = trainer._completion_table
+    table = trainer._completions.table
     assert len(table.targets) == 8
     # A group gets its q when a step builds it; a group left out of the step (no gradient) shows none.
     groups = [table.targets[:4], table.targets[4:]]
@@ -700,10 +700,10 @@ def test_under_bf16_mixed_precision_the_chunked_head_computes_as_the_models_own_
     trainer = TargetPOTrainer(
         tiny_model, letters_then_position_reward, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
     )
-    assert trainer.accelerator.mixed_precision == "bf16" and trainer._logps.chunk_size == 512
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer._step.logps.chunk_size == 512
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     rows = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_attention_mask")]
-    settings = {"temperature": args.temperature, "suppressed_token_ids": trainer._logps.suppressed_token_ids}
+    settings = {"temperature": args.temperature, "suppressed_token_ids": trainer._step.logps.suppressed_token_ids}
     whole_logits = packed_completion_logps if padding_free else completion_logps
     with torch.no_grad():
         logps, _ = trainer._token_logps(trainer.model, batch)

@@ -345,7 +345,7 @@ def test_the_off_policy_mask_measures_from_vllms_log_probs_only_where_they_descr
     mask = batch["completion_mask"].float()
     logps, entropies = trainer._token_logps(trainer.model, batch)
     batch["sampler_per_token_logps"] = (logps.detach() + 0.5) * mask  # a kept mass of exp(-0.5) at every token
-    keep = trainer._loss.token_filter(logps, entropies, batch, mask)
+    keep = trainer._step.loss.token_filter(logps, entropies, batch, mask)
     negative = batch["advantages"] < 0
     assert negative.any() and (~negative).any()
     expected = (~negative | (mask.sum(1) == 0)).float() if masks_negative_rows else torch.ones(len(negative))
@@ -388,7 +388,7 @@ def test_adaptive_entropy_coefficient_follows_each_steps_entropy(tmp_path, token
         entropy_coef_delta=0.05, entropy_target=target, generation_kwargs=few_letters(tokenizer),
     )
     assert [logged(run, step, "entropy_coef") for step in range(3)] == pytest.approx(applied)
-    assert run.trainer._loss.entropy_bonus.coefficient == pytest.approx(0.25 if target > 1 else 0.0)
+    assert run.trainer._step.loss.entropy_bonus.coefficient == pytest.approx(0.25 if target > 1 else 0.0)
     # The first step has no previous entropy to compare: no bonus, the plain TPO gradient.
     run.trainer.args.entropy_coef = 0.0  # what the reference then builds
     assert_step_matches(run, 0, reference_step(run, 0))

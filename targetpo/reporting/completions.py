@@ -178,3 +178,34 @@ def _open_run(tracker: str) -> Any:
     from trackio.context_vars import current_run
 
     return current_run.get()
+
+
+class CompletionsLog:
+    """``log_completions``: the table of the latest training rollout, shown at each log (printed, logged to the
+    trackers) and pushed to ``log_completions_hub_repo`` once per rollout."""
+
+    def __init__(self, args: Any):
+        self.args = args
+        self.table: RolloutTable | None = None
+        self.pushed_rollout: int | None = None  # the last rollout pushed to the Hub
+
+    def fill_targets(self, rollout: int, sample_index: Any, targets: Any) -> None:
+        """q of the samples of ``rollout`` (tensors), once built (at rollout, or by the first use of their step
+        batch)."""
+        if self.table is not None and self.table.rollout == rollout:
+            self.table.fill_targets(sample_index.tolist(), targets.tolist())
+
+    def show(self, global_step: int) -> None:
+        """Print the table, log it to the trackers, and push it where it was not yet (a failed push is tried again at
+        the next log)."""
+        table, args = self.table, self.args
+        if not args.log_completions or table is None:
+            return
+        print_completions_table(table, args.num_completions_to_print)
+        log_completions_to_trackers(table, args.report_to or [], global_step)
+        if args.log_completions_hub_repo is not None and self.pushed_rollout != table.rollout:
+            pushed = push_completions_table(
+                table, args.log_completions_hub_repo, private=args.hub_private_repo, token=args.hub_token
+            )
+            if pushed:
+                self.pushed_rollout = table.rollout

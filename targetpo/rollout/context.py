@@ -14,8 +14,9 @@ from accelerate import Accelerator
 from torch import nn
 
 from ..episodes.multi_turn import EnvironmentPool, ToolLoop
-from ..episodes.tools import Toolbox
+from ..episodes.tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from ..generation import Completions, PromptImages, RolloutBackend, SamplingSettings
+from ..modeling.loading import max_positions
 from ..reporting.metrics import MetricsRecorder
 from .prompts import PromptEncoder
 
@@ -70,3 +71,35 @@ class RolloutService(Protocol):
     def sync_weights(self) -> None: ...
 
     def record_staleness(self, completions: Completions, mode: str) -> None: ...
+
+
+def build_tool_loop(
+    args: Any,
+    tokenizer: Any,
+    tool_schemas: list[dict[str, Any]],
+    sampling: SamplingSettings,
+    model: nn.Module,
+    runner: AsyncRunner,
+    processor: Any = None,
+) -> ToolLoop:
+    """The loop of multi-turn rollouts: turns of generation with the tools' results between them, in the model's chat
+    template; ``processor``: a vision-language policy's, whose tool results may hold images."""
+    template = ConversationTemplate(
+        tokenizer,
+        tool_schemas,
+        sampling.eos_token_ids,
+        args.chat_template_kwargs,
+        model.config.model_type,
+        added_stop_token_ids=sampling.added_stop_token_ids,
+    )
+    return ToolLoop(
+        template,
+        args.max_completion_length,
+        args.max_tool_calling_iterations,
+        sampling.eos_token_ids,
+        sampling.pad_token_id,
+        runner,
+        ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
+        processor=processor,
+        max_positions=max_positions(model),
+    )

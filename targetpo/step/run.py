@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
 from ..batch import RolloutBatch
-from ..objectives.registry import LossTerms, Objective, TrainingLoss
+from ..generation import SamplingSettings
+from ..objectives.registry import LossTerms, Objective, TrainingLoss, build_objective
+from ..objectives.regularisers import importance_sampling_applies
 from ..reporting.metrics import MetricsRecorder, record_loss_metrics
 from .forward import PolicyLogps, TokenLogps
 from .plan import StepPlan
@@ -48,6 +51,74 @@ class StepRunner:
         self.accelerator, self.metrics, self.guard = accelerator, metrics, guard
         self.global_step, self.record_targets = global_step, record_targets
         self.sharded, self.importance_sampling, self.split_groups = sharded, importance_sampling, split_groups
+
+    @classmethod
+    def build(
+        cls,
+        plan: StepPlan,
+        args: Any,
+        accelerator: Accelerator,
+        model: nn.Module,
+        sampling: SamplingSettings,
+        metrics: MetricsRecorder,
+        guard: Guard,
+        global_step: Callable[[], int],
+        record_targets: RecordTargets,
+        group_size: Callable[[str], int],
+        local_rows: Callable[[int], slice],
+        sharded: bool,
+    ) -> StepRunner:
+        """The step of a run: the objective ``loss_type`` names, the regularisers the run switches on, the policy's
+        token log-probs as sampling saw them, and the softmax of split groups. Called from the trainer's
+        ``__init__``: the warnings of these parts point at the line that builds the trainer."""
+        unwrapped = accelerator.unwrap_model(model)
+        # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
+        is_moe = getattr(unwrapped.config.get_text_config(decoder=True), "output_router_logits", None) is not None
+        objective = build_objective(args, accelerator, group_size, local_rows)
+        loss = TrainingLoss(
+            objective,
+            args,
+            accelerator,
+            sampling.reshapes_distribution,
+            router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
+        )
+        logps = PolicyLogps.for_model(
+            model,
+            unwrapped,
+            sampling.temperature,
+            sampling.suppressed_token_ids,
+            accelerator.device,
+            sharded,
+            args.use_liger_kernel,
+            args.logps_chunk_size,
+            rows_per_pass=args.per_device_train_batch_size,
+            padding_free=args.padding_free,
+            head_kernel=args.logps_head_kernel,
+            token_budget=args.max_tokens_per_micro_batch,
+            autocast=accelerator.autocast,
+            share_prompts=args.share_prompt_forward,
+        )
+        split_groups = None
+        if plan.groups_split:
+            collective_guard = lambda what: guard(what, local=not sharded)  # noqa: E731
+            split_groups = SplitGroups(
+                plan.layout, accelerator, logps, args.tpo_length_normalize_logps, collective_guard
+            )
+        importance_sampling = importance_sampling_applies(args, sampling)
+        return cls(
+            plan,
+            objective,
+            loss,
+            logps,
+            accelerator,
+            metrics,
+            guard,
+            global_step,
+            record_targets,
+            sharded=sharded,
+            importance_sampling=importance_sampling,
+            split_groups=split_groups,
+        )
 
     # ------------------------------------------------------------------------------------------------ at rollout
     def prepare_rollout(

@@ -83,7 +83,7 @@ def train():
     history = trainer.state.log_history
     return {
         "device": str(next(trainer.model.parameters()).device),
-        "liger_logps": trainer._logps.liger,
+        "liger_logps": trainer._step.logps.liger,
         "kernel_calls": len(calls),
         "losses": [entry["loss"] for entry in history if "loss" in entry],
         "entropy_logged": any("entropy" in entry for entry in history),

@@ -284,7 +284,7 @@ def test_a_training_step_with_the_triton_head_gives_the_torch_heads_weights(tmp_
             train_dataset=dataset,
             processing_class=tokenizer,
         )
-        assert trainer._logps.head_kernel == kernel and trainer._logps.chunk_size == 512
+        assert trainer._step.logps.head_kernel == kernel and trainer._step.logps.chunk_size == 512
         trainer.train()
         weights[kernel] = {name: p.detach().cpu() for name, p in trainer.model.named_parameters()}
     assert kernel_rows  # the triton run's log-probs went through the kernels
@@ -302,7 +302,7 @@ def test_on_a_gpu_the_default_head_is_the_triton_one(tmp_path):
         train_dataset=Dataset.from_dict({"prompt": ["Say cat:", "Say dog:"]}),
     )  # fmt: skip
     expected = "triton" if torch.cuda.get_device_capability() >= (8, 0) else "torch"
-    assert trainer._logps.head_kernel == expected
+    assert trainer._step.logps.head_kernel == expected
 
 
 def test_the_launch_probe_passes_working_kernels_and_names_failing_ones(monkeypatch):
