@@ -82,8 +82,7 @@ from .reporting.completions import (
 from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
-from .rollout.context import RolloutContext, build_tool_loop
-from .rollout.prompts import PromptEncoder
+from .rollout.context import RolloutContext
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
@@ -278,71 +277,18 @@ class TargetPOTrainer(Trainer):
         self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
 
     def _set_up_rollouts(self) -> None:
-        """How rollouts are made: the step plan, the rollout context, the scheduler and its backend (built now, so a
-        missing server or a bad setting fails before any work), the source, and scoring."""
-        args, tokenizer, accelerator = self.args, self._tokenizer, self.accelerator
-        self._plan = StepPlan.of(
-            args, accelerator.num_processes, self._max_prompt_tokens, trains_whole_groups(args.loss_type)
-        )
+        """How rollouts are made: the step plan, what the rollout side is given (``rollout/context.py``), the scheduler
+        and its backend (built now, so a missing server or a bad setting fails before any work), the source, and
+        scoring."""
+        args, accelerator, rollout_func = self.args, self.accelerator, self.rollout_func
+        whole_groups = trains_whole_groups(args.loss_type)
+        self._plan = StepPlan.of(args, accelerator.num_processes, self._max_prompt_tokens, whole_groups)
         if self._plan.token_budget is not None:
             overrides = type(self).compute_loss is not TargetPOTrainer.compute_loss
             check_passes_supported(type(self).__name__, overrides, accelerator)
-        # Multi-turn rollouts: the tools every prompt shows (an environment's come from a probe instance) and the loop.
-        self._tool_schemas = self._environments.tool_schemas if self._environments else self._toolbox.schemas
-        model = accelerator.unwrap_model(self.model)
-        self._tool_loop = None
-        if self._tool_loop_needed:
-            self._tool_loop = build_tool_loop(
-                args, tokenizer, self._tool_schemas, self.sampling, model, self._async_runner, self._processor
-            )
-        self._prompt_encoder = PromptEncoder(
-            tokenizer,
-            self._processor,
-            self._tool_schemas,
-            args.chat_template_kwargs,
-            self._prompt_limit,
-            self.sampling.pad_token_id,
-            accelerator.device,
-            self._failures_reach_every_process,
-            images_allowed=self._images_need is None,
-        )
-        self._scheduler = RolloutScheduler(
-            self._rollout_context(model),
-            self._async_runner,
-            lambda rows, mode: self._rollout(rows, mode),  # looked up at each call: a subclass's or a test's own
-            self._plan.lookahead_use,
-        )
-        if args.async_rollouts:
-            self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
-        # Text or images, tools or environments, or rollout_func.
-        self._rollout_source = self._scheduler.source = rollout_source(self._scheduler.context, self._scheduler)
-        self.rollout_backend  # noqa: B018 -- built now: a missing server or a bad setting fails here, before any work
-        if args.async_rollouts and self._rollout_source.plays_episodes:
-            self._scheduler.check_plays_ahead()  # every process's own connection, opened now
-        self._rollout_count = 0
-        self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
-        self._completions = CompletionsLog(args)
-        self._rollout_scorer = RolloutScorer(
-            self.reward_scorer,
-            tokenizer,
-            accelerator,
-            args,
-            self._metrics,
-            self._failures_reach_every_process,
-            self._async_runner.run,
-            self._sharded,
-            self._prompt_encoder.render,
-        )
-
-    def _rollout_context(self, model: PreTrainedModel) -> RolloutContext:
-        """What the rollout side is given of this trainer (``rollout/context.py``)."""
-        # Token ids a rollout may hold: the tokenizer's, and any the output layer has beyond them (padded vocabularies).
-        text_config = model.config.get_text_config(decoder=True)
-        vocab_size = max(len(self._tokenizer), getattr(text_config, "vocab_size", None) or 0)
-        rollout_func = self.rollout_func
-        return RolloutContext(
-            args=self.args,
-            accelerator=self.accelerator,
+        context = self._rollout_context = RolloutContext(
+            args=args,
+            accelerator=accelerator,
             sampling=self.sampling,
             metrics=self._metrics,
             guard=self._failures_reach_every_process,
@@ -350,15 +296,33 @@ class TargetPOTrainer(Trainer):
             engine_model=lambda: self.model_wrapped,
             global_step=lambda: self.state.global_step,
             sharded=self._sharded,
-            processing_class=self._processor or self._tokenizer,
-            max_prompt_tokens=self._max_prompt_tokens,
-            vocab_size=vocab_size,
-            prompt_encoder=self._prompt_encoder,
-            tool_loop=self._tool_loop,
+            tokenizer=self._tokenizer,
+            processor=self._processor,
+            prompt_limit=self._prompt_limit,
+            images_allowed=self._images_need is None,
+            async_runner=self._async_runner,
+            # The tools every prompt shows (an environment's come from a probe instance).
+            tool_schemas=self._environments.tool_schemas if self._environments else self._toolbox.schemas,
+            multi_turn=self._tool_loop_needed,
             toolbox=self._toolbox,
             environments=self._environments,
             run_rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
         )
+        # The rollout a step batch's first use asks for, looked up at each call (a subclass's or a test's own).
+        self._scheduler = RolloutScheduler(
+            context, self._async_runner, lambda rows, mode: self._rollout(rows, mode), self._plan.lookahead_use
+        )
+        if args.async_rollouts:
+            self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))
+        # Text or images, tools or environments, or rollout_func.
+        self._rollout_source = self._scheduler.source = rollout_source(context, self._scheduler)
+        self.rollout_backend  # noqa: B018 -- built now: a missing server or a bad setting fails here, before any work
+        if args.async_rollouts and self._rollout_source.plays_episodes:
+            self._scheduler.check_plays_ahead()  # every process's own connection, opened now
+        self._rollout_scorer = RolloutScorer.of(context, self.reward_scorer)
+        self._rollout_count = 0
+        self._eval_metric_prefix = "eval"  # set by each `evaluate()` call
+        self._completions = CompletionsLog(args)
 
     @property
     def rollout_backend(self) -> RolloutBackend:

@@ -239,4 +239,4 @@ def test_a_template_whose_turn_holds_no_stop_token_is_refused_until_its_end_of_t
     args = make_config(tmp_path, max_completion_length=64, max_prompt_length=None,
                        generation_kwargs={"eos_token_id": end_of_turn})
     trainer = build(args)
-    assert end_of_turn in trainer._tool_loop.eos_token_ids
+    assert end_of_turn in trainer._rollout_context.tool_loop.eos_token_ids

@@ -561,7 +561,7 @@ def test_environments_keep_state_per_sample_score_themselves_and_reach_reward_fu
         return [float(sum(message["role"] == "tool" for message in conversation)) for conversation in completions]
 
     trainer = guessing_trainer(tmp_path, halving_search, reward_funcs=[turns_used], max_steps=1, log_completions=True)
-    assert trainer._tool_loop.max_positions == 128  # the model's: no turn is generated past them
+    assert trainer._rollout_context.tool_loop.max_positions == 128  # the model's: no turn is generated past them
     trainer.train()
     conversations, environments, secrets = seen[0]
     assert len(environments) == len(conversations) == 16

@@ -82,7 +82,7 @@ def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer,
             short_context_model, length_reward, args=make_config(tmp_path, max_prompt_length=14, max_completion_length=4),
             train_dataset=dataset, processing_class=tokenizer,
         )
-    assert trainer._prompt_encoder.tokenize(PROMPTS[:1])[0].size(1) == 12
+    assert trainer._rollout_context.prompt_encoder.tokenize(PROMPTS[:1])[0].size(1) == 12
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # within the room: nothing to say
         trainer = TargetPOTrainer(
@@ -90,7 +90,7 @@ def test_max_prompt_length_above_the_models_room_is_lowered(tmp_path, tokenizer,
             train_dataset=dataset, processing_class=tokenizer,
         )
     with pytest.warns(UserWarning, match=r"^1 of the 1 prompts .* longer than 8 tokens \(max_prompt_length=8\)"):
-        ids, _ = trainer._prompt_encoder.tokenize(PROMPTS[:1])
+        ids, _ = trainer._rollout_context.prompt_encoder.tokenize(PROMPTS[:1])
     assert tokenizer.decode(ids[0]) == PROMPTS[0][-8:]
 
 
@@ -99,7 +99,7 @@ def test_a_groups_repeats_of_its_prompt_are_tokenized_once(tmp_path, tokenizer, 
     tokenizing every row; a prompt that comes back after another (or with other tools) is a run of its own."""
     trainer = TargetPOTrainer(tiny_model, length_reward, args=make_config(tmp_path, max_prompt_length=10),
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
-    encoder = trainer._prompt_encoder
+    encoder = trainer._rollout_context.prompt_encoder
     prompts = [PROMPTS[1]] * 3 + [PROMPTS[2]] * 2 + [PROMPTS[1]]
     seen = []
 

@@ -527,7 +527,7 @@ def test_long_prompts_keep_their_last_tokens(tmp_path, tiny_model, tokenizer, pr
         tiny_model, length_reward, args=make_config(tmp_path, max_prompt_length=3), train_dataset=prompt_dataset,
         processing_class=tokenizer,
     )
-    ids, mask = trainer._prompt_encoder.tokenize(["Say cat:", "Hi:"])
+    ids, mask = trainer._rollout_context.prompt_encoder.tokenize(["Say cat:", "Hi:"])
     assert ids.shape == (2, 3) and mask.tolist() == [[1, 1, 1], [1, 1, 1]]
     assert tokenizer.decode(ids[0]) == "at:" and tokenizer.decode(ids[1]) == "Hi:"
 
@@ -763,7 +763,7 @@ def test_an_assistant_prefill_in_content_parts_is_continued_like_a_string_one(tm
         model = build_tiny_causal_lm(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=128, seed=0)
         trainer = TargetPOTrainer(model, reward, args=make_config(tmp_path / kind, max_steps=1), train_dataset=dataset,
                                   processing_class=tokenizer)
-        assert trainer._prompt_encoder.render([dataset[0]["prompt"]]) == ["<user>Say cat\n<assistant>The word is"]
+        assert trainer._rollout_context.prompt_encoder.render([dataset[0]["prompt"]]) == ["<user>Say cat\n<assistant>The word is"]
         trainer.train()
         assert trainer.state.global_step == 1
     for completions, completion_ids in received["parts"]:

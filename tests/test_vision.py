@@ -847,8 +847,8 @@ def test_a_text_only_row_cut_beside_rows_with_images_is_reported_once(tmp_path):
     rows = [dataset[0], dataset[0], dataset[1], dataset[1]]
     with pytest.warns(UserWarning, match=rf"^1 of the 2 prompts of a rollout are longer than {allowed} tokens "
                                          rf"\(max_prompt_length={allowed}\)"):
-        _, encoded, _ = trainer._prompt_encoder.encode_with_images(rows)
+        _, encoded, _ = trainer._rollout_context.prompt_encoder.encode_with_images(rows)
     assert int(encoded.mask[2].sum()) == allowed  # the long text keeps its last `allowed` tokens
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
-        trainer._prompt_encoder.encode_with_images(rows)
+        trainer._rollout_context.prompt_encoder.encode_with_images(rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 from ..episodes.multi_turn import EnvironmentPool, ToolLoop
 from ..episodes.tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
 from ..generation import Completions, PromptImages, RolloutBackend, SamplingSettings
-from ..modeling.loading import max_positions
+from ..modeling.loading import PromptLimit, max_positions
 from ..reporting.metrics import MetricsRecorder
 from .prompts import PromptEncoder
 
@@ -27,7 +27,7 @@ Guard = Callable[..., contextlib.AbstractContextManager]
 
 @dataclass
 class RolloutContext:
-    """One trainer's parts that rollouts use."""
+    """One trainer's parts that rollouts use, and the prompt encoder and tool loop made from them."""
 
     args: Any  # the run's config
     accelerator: Accelerator
@@ -39,20 +39,75 @@ class RolloutContext:
     engine_model: Callable[[], nn.Module]
     global_step: Callable[[], int]  # the optimiser step the weights are at
     sharded: bool  # ZeRO-3 / FSDP2: every forward pass, generation included, is a collective
-    processing_class: (
-        Any  # what encodes prompts for a backend: the processor of a vision-language model, else tokenizer
-    )
-    max_prompt_tokens: int | None  # the longest prompt a rollout holds (None: not limited)
-    vocab_size: int  # token ids a rollout may hold
-    prompt_encoder: PromptEncoder
-    tool_loop: ToolLoop | None = None  # multi-turn rollouts
+    tokenizer: Any
+    processor: Any  # a vision-language model's processor: encodes prompts with images; else None
+    prompt_limit: PromptLimit
+    images_allowed: bool  # whether prompts may carry images (else a row with one is refused, saying why)
+    async_runner: AsyncRunner  # runs async tools and rewards
+    tool_schemas: list[dict[str, Any]]  # the tools every prompt shows
+    multi_turn: bool = False  # tools or environments: rollouts are loops of turns
     toolbox: Toolbox | None = None  # the tools of every sample, without environments
     environments: EnvironmentPool | None = None
     run_rollout_func: Callable[[list[Any]], Any] | None = None  # the user's rollout_func, given its trainer
+    prompt_encoder: PromptEncoder = field(init=False)
+    tool_loop: ToolLoop | None = field(init=False)
+    vocab_size: int = field(init=False)  # token ids a rollout may hold
+
+    def __post_init__(self) -> None:
+        model = self.accelerator.unwrap_model(self.model())
+        # The tokenizer's ids, and any the output layer has beyond them (padded vocabularies).
+        text_config = model.config.get_text_config(decoder=True)
+        self.vocab_size = max(len(self.tokenizer), getattr(text_config, "vocab_size", None) or 0)
+        self.prompt_encoder = PromptEncoder(
+            self.tokenizer,
+            self.processor,
+            self.tool_schemas,
+            self.args.chat_template_kwargs,
+            self.prompt_limit,
+            self.sampling.pad_token_id,
+            self.accelerator.device,
+            self.guard,
+            images_allowed=self.images_allowed,
+        )
+        self.tool_loop = self._tool_loop(model) if self.multi_turn else None
 
     @property
     def training(self) -> bool:
         return self.model().training
+
+    @property
+    def processing_class(self) -> Any:
+        """What encodes prompts for a backend: the processor of a vision-language model, else the tokenizer."""
+        return self.processor or self.tokenizer
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt a rollout holds (None: not limited)."""
+        return self.prompt_limit.tokens
+
+    def _tool_loop(self, model: nn.Module) -> ToolLoop:
+        """The loop of multi-turn rollouts: turns of generation with the tools' results between them, in the model's
+        chat template (a vision-language policy's tool results may hold images)."""
+        args, sampling = self.args, self.sampling
+        template = ConversationTemplate(
+            self.tokenizer,
+            self.tool_schemas,
+            sampling.eos_token_ids,
+            args.chat_template_kwargs,
+            model.config.model_type,
+            added_stop_token_ids=sampling.added_stop_token_ids,
+        )
+        return ToolLoop(
+            template,
+            args.max_completion_length,
+            args.max_tool_calling_iterations,
+            sampling.eos_token_ids,
+            sampling.pad_token_id,
+            self.async_runner,
+            ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
+            processor=self.processor,
+            max_positions=max_positions(model),
+        )
 
 
 class RolloutService(Protocol):
@@ -71,35 +126,3 @@ class RolloutService(Protocol):
     def sync_weights(self) -> None: ...
 
     def record_staleness(self, completions: Completions, mode: str) -> None: ...
-
-
-def build_tool_loop(
-    args: Any,
-    tokenizer: Any,
-    tool_schemas: list[dict[str, Any]],
-    sampling: SamplingSettings,
-    model: nn.Module,
-    runner: AsyncRunner,
-    processor: Any = None,
-) -> ToolLoop:
-    """The loop of multi-turn rollouts: turns of generation with the tools' results between them, in the model's chat
-    template; ``processor``: a vision-language policy's, whose tool results may hold images."""
-    template = ConversationTemplate(
-        tokenizer,
-        tool_schemas,
-        sampling.eos_token_ids,
-        args.chat_template_kwargs,
-        model.config.model_type,
-        added_stop_token_ids=sampling.added_stop_token_ids,
-    )
-    return ToolLoop(
-        template,
-        args.max_completion_length,
-        args.max_tool_calling_iterations,
-        sampling.eos_token_ids,
-        sampling.pad_token_id,
-        runner,
-        ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
-        processor=processor,
-        max_positions=max_positions(model),
-    )

@@ -22,6 +22,7 @@ from ..episodes.multi_turn import conversation_text
 from ..reporting.completions import RolloutTable
 from ..reporting.metrics import MetricsRecorder
 from ..rewards import RewardLogs, RewardScorer
+from .context import RolloutContext
 from .no_signal import NoSignalWatch
 from .sources import SourcedRollout
 
@@ -68,6 +69,21 @@ class RolloutScorer:
         self.render = render  # prompts as the completions table shows them
         self._warned_unscored = False
         self.no_signal = NoSignalWatch.from_config(args, reward_scorer.names, speaks=accelerator.is_main_process)
+
+    @classmethod
+    def of(cls, context: RolloutContext, reward_scorer: RewardScorer) -> RolloutScorer:
+        """The scorer of the rollouts ``context`` makes."""
+        return cls(
+            reward_scorer,
+            context.tokenizer,
+            context.accelerator,
+            context.args,
+            context.metrics,
+            context.guard,
+            context.async_runner.run,
+            context.sharded,
+            context.prompt_encoder.render,
+        )
 
     def score(self, sourced: SourcedRollout, state: Any, group_size: int, local: slice) -> ScoredRollout:
         """Reward, combine and whiten one rollout; ``local`` is this process's rows among every process's."""
