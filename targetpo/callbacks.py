@@ -8,6 +8,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from safetensors.torch import load_model, save_model
@@ -31,6 +32,20 @@ class OnOptimizerStep(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step % self.every == 0:
             self.action()
+
+
+def check_sync_ref_model(has_reference_copy: bool, sharded: bool) -> None:
+    """sync_ref_model mixes the policy into a reference copy, whole: refused without a copy or with sharded weights."""
+    if not has_reference_copy:  # PEFT: the reference is the base model itself, which the adapters leave as is
+        raise ValueError(
+            "sync_ref_model=True moves a reference copy towards the policy, but under PEFT the reference is the "
+            "adapter-free base model, not a copy. Set sync_ref_model=False."
+        )
+    if sharded:
+        raise ValueError(
+            "sync_ref_model=True is not supported with sharded weights (DeepSpeed ZeRO-3, FSDP2) yet: mixing "
+            "the policy into the reference needs both whole. Use ZeRO-1/2 or DDP, or sync_ref_model=False."
+        )
 
 
 def save_checkpoint_extras(output_dir: str, entropy_bonus: EntropyBonus | None, reference: nn.Module | None) -> None:
@@ -68,3 +83,19 @@ def load_checkpoint_extras(
                 "model starts again from the model given to the trainer, not from the checkpoint's policy.",
                 stacklevel=3,
             )
+
+
+@dataclass
+class CheckpointExtras:
+    """What a resumed run needs beyond the Trainer's own checkpoint (each when the run has it): the adaptive entropy
+    bonus and the synced reference model; ``entropy_coef``, the configured coefficient a bonus restarts from."""
+
+    entropy_bonus: EntropyBonus | None
+    reference: nn.Module | None
+    entropy_coef: float
+
+    def save(self, output_dir: str) -> None:
+        save_checkpoint_extras(output_dir, self.entropy_bonus, self.reference)
+
+    def load(self, checkpoint: str) -> None:
+        load_checkpoint_extras(checkpoint, self.entropy_bonus, self.reference, self.entropy_coef)

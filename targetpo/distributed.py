@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
 
 
@@ -80,6 +81,20 @@ def failures_reach_every_process(what: str, device: torch.device | str | None = 
     except Exception as error:  # noqa: BLE001 (not KeyboardInterrupt and the like: those stop every process anyway)
         failure = error
     _raise_if_any_process_failed(failure, what, device)
+
+
+class ProcessGuard:
+    """``guard(what, local=True)``: :func:`failures_reach_every_process` on this process's device, for local work.
+
+    Work that runs collectives itself (``local=False``) is not guarded: after a failure inside it the other processes
+    wait in its collectives whatever follows, and the failing one must not wait in another.
+    """
+
+    def __init__(self, device: torch.device | str | None):
+        self.device = device
+
+    def __call__(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
+        return failures_reach_every_process(what, self.device) if local else contextlib.nullcontext()
 
 
 def _raise_if_any_process_failed(failure: Exception | None, what: str, device: torch.device | str | None) -> None:
@@ -291,3 +306,12 @@ def fsdp2_unsharded(model: nn.Module, reshard_after_forward: bool | int = True) 
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(bool(reshard_after_forward), recurse=False)
+
+
+def empty_device_cache_if_due(every: int | None, global_step: int) -> None:
+    """``torch_empty_cache_steps``: release the device's cached memory every ``every`` optimiser steps, as the
+    Trainer's own training step does."""
+    if every is not None and global_step % every == 0:
+        clear_device_cache()
+        if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+            torch.mps.clear_graph_cache()

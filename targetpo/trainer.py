@@ -16,20 +16,18 @@ One training micro-step reads as:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from accelerate.utils import set_seed
-from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from . import functional as F
 from .batch import RolloutBatch
-from .callbacks import OnOptimizerStep, load_checkpoint_extras, save_checkpoint_extras
+from .callbacks import CheckpointExtras, OnOptimizerStep, check_sync_ref_model
 from .config.fields import GRPOConfig, TargetPOConfig
 from .config.preflight import (
     DatasetNeeds,
@@ -55,9 +53,10 @@ from .data import (
     training_stream,
 )
 from .distributed import (
+    ProcessGuard,
     check_engine_supported,
     destroy_gloo_group_at_exit,
-    failures_reach_every_process,
+    empty_device_cache_if_due,
     prepare_frozen_model,
     shards_parameters,
 )
@@ -75,7 +74,6 @@ from .modeling.loading import (
 )
 from .modeling.vision import is_processor
 from .objectives.registry import trains_whole_groups
-from .objectives.regularisers import EntropyBonus
 from .reporting.completions import (
     CompletionsLog,
 )
@@ -166,31 +164,12 @@ class TargetPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.model_accepts_loss_kwargs = False
-        check_engine_supported(self.accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
-        destroy_gloo_group_at_exit()
-        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
-        self._sharded = shards_parameters(self.accelerator)
-        self._prepare_frozen_models()
-        self.sampling = SamplingSettings.from_config(args, self._tokenizer, self.accelerator.unwrap_model(self.model))
-        self._metrics = MetricsRecorder(self.accelerator)  # each metric's running mean since the last log
+        self._set_up_engine()
         self._set_up_rollouts()
-        self._step = StepRunner.build(
-            self._plan,
-            args,
-            self.accelerator,
-            self.model,
-            self.sampling,
-            self._metrics,
-            self._failures_reach_every_process,
-            lambda: self.state.global_step,
-            self._record_targets,
-            self._group_size,
-            self._local_slice,
-            self._sharded,
-        )
-        if args.use_adaptive_entropy:
-            self.add_callback(OnOptimizerStep(self._step.loss.entropy_bonus.adapt))
+        # The step is given the parts the rollouts are given (the warnings of its parts point at the caller's line).
+        context = self._rollout_context
+        self._step = StepRunner.build(self._plan, context, self._record_targets, self._group_size, self._local_slice)
+        self._set_up_checkpoint_extras()
         # Each process samples its own completions (a group split over processes must not repeat itself), and the
         # same seed still reproduces the same run.
         set_seed(args.seed, device_specific=True)
@@ -211,7 +190,8 @@ class TargetPOTrainer(Trainer):
         self._tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
         # A vision-language model's processor encodes prompts with images and renders them with its chat template.
         self._processor = processing_class if is_processor(processing_class) else None
-        self._images_need = self._what_images_need()
+        # What prompts with images would need that this run lacks (None: they can be trained on).
+        self._images_need = NEEDS_PROCESSOR if self._processor is None else None
         self._dataset_needs = DatasetNeeds(
             self._processor or self._tokenizer,
             self._images_need,
@@ -255,26 +235,41 @@ class TargetPOTrainer(Trainer):
             return with_environment_rewards(reward_funcs, args.reward_weights, self._environments.rewards)
         return reward_funcs, args.reward_weights
 
-    def _prepare_frozen_models(self) -> None:
-        """The reference model and reward models, placed (and sharded) like the policy, and sync_ref_model's mixing."""
-        args = self.args
+    def _set_up_engine(self) -> None:
+        """What the accelerator decides: sharded weights, the guard of local work, where frozen models live, how
+        sampling works, and the metrics recorder."""
+        args, accelerator = self.args, self.accelerator
+        self.model_accepts_loss_kwargs = False
+        check_engine_supported(accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
+        destroy_gloo_group_at_exit()
+        # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
+        self._sharded = shards_parameters(accelerator)
+        self._failures_reach_every_process = ProcessGuard(accelerator.device)
         # Frozen models are sharded like the policy under ZeRO-3 / FSDP2, so they cost no full copy per device.
         micro_batch = args.per_device_train_batch_size
         if self.ref_model is not None:
-            self.ref_model = prepare_frozen_model(self.accelerator, self.ref_model, micro_batch)
+            self.ref_model = prepare_frozen_model(accelerator, self.ref_model, micro_batch)
         if args.sync_ref_model:
-            if self.ref_model is None:  # PEFT: the reference is the base model itself, which the adapters leave as is
-                raise ValueError(
-                    "sync_ref_model=True moves a reference copy towards the policy, but under PEFT the reference is the "
-                    "adapter-free base model, not a copy. Set sync_ref_model=False."
-                )
-            if self._sharded:
-                raise ValueError(
-                    "sync_ref_model=True is not supported with sharded weights (DeepSpeed ZeRO-3, FSDP2) yet: mixing "
-                    "the policy into the reference needs both whole. Use ZeRO-1/2 or DDP, or sync_ref_model=False."
-                )
-            self.add_callback(OnOptimizerStep(self._mix_policy_into_reference, every=args.ref_model_sync_steps))
-        self.reward_scorer.prepare_models(lambda rm: prepare_frozen_model(self.accelerator, rm, micro_batch))
+            check_sync_ref_model(has_reference_copy=self.ref_model is not None, sharded=self._sharded)
+            unwrap = accelerator.unwrap_model
+
+            def mix() -> None:  # move the reference towards the policy by ref_model_mixup_alpha
+                mix_weights_into(unwrap(self.ref_model), unwrap(self.model), args.ref_model_mixup_alpha)
+
+            self.add_callback(OnOptimizerStep(mix, every=args.ref_model_sync_steps))
+        self.reward_scorer.prepare_models(lambda model: prepare_frozen_model(accelerator, model, micro_batch))
+        self.sampling = SamplingSettings.from_config(args, self._tokenizer, accelerator.unwrap_model(self.model))
+        self._metrics = MetricsRecorder(accelerator)  # each metric's running mean since the last log
+
+    def _set_up_checkpoint_extras(self) -> None:
+        """What moves with training beyond the weights, saved and loaded beside the optimiser (``callbacks.py``):
+        the adaptive entropy bonus and the synced reference model."""
+        args = self.args
+        entropy_bonus = self._step.loss.entropy_bonus if args.use_adaptive_entropy else None
+        if entropy_bonus is not None:
+            self.add_callback(OnOptimizerStep(entropy_bonus.adapt))
+        reference = self.accelerator.unwrap_model(self.ref_model) if args.sync_ref_model else None
+        self._checkpoint_extras = CheckpointExtras(entropy_bonus, reference, args.entropy_coef)
 
     def _set_up_rollouts(self) -> None:
         """How rollouts are made: the step plan, what the rollout side is given (``rollout/context.py``), the scheduler
@@ -350,10 +345,6 @@ class TargetPOTrainer(Trainer):
         return None if self._environments is None else self._environments.latest
 
     # ------------------------------------------------------------------------------------------------ data
-    def _what_images_need(self) -> str | None:
-        """What prompts with images would need that this run lacks; None when they can be trained on."""
-        return NEEDS_PROCESSOR if self._processor is None else None
-
     def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         sampler = training_sampler(self.args, len(dataset), self._plan.generate_every, self._plan.lookahead_use)
@@ -483,42 +474,21 @@ class TargetPOTrainer(Trainer):
         """The reference model's token log-probs of a rollout (beta > 0)."""
         return self._step.logps.of_reference(batch, self.ref_model, self.model, self.accelerator.unwrap_model)
 
-    def _failures_reach_every_process(self, what: str, local: bool = True) -> contextlib.AbstractContextManager:
-        """``failures_reach_every_process`` on this process's device, for local work.
-
-        Work that runs collectives itself (``local=False``) is not guarded: after a failure inside it the other
-        processes wait in its collectives whatever follows, and the failing one must not wait in another.
-        """
-        if not local:
-            return contextlib.nullcontext()
-        return failures_reach_every_process(what, self.accelerator.device)
-
     def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_checkpoint(*args, **kwargs)
         self._scheduler.forget_weights()  # new weights that came without an optimiser step
 
-    # What a resumed run needs beyond the Trainer's own checkpoint (``callbacks.py``), saved and loaded beside the
-    # optimiser (a checkpoint without the optimiser, save_only_model, cannot be resumed from anyway).
+    # What a resumed run needs beyond the Trainer's own checkpoint, saved and loaded beside the optimiser (a
+    # checkpoint without the optimiser, save_only_model, cannot be resumed from anyway).
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            save_checkpoint_extras(output_dir, *self._checkpoint_extras())
+            self._checkpoint_extras.save(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            load_checkpoint_extras(checkpoint, *self._checkpoint_extras(), entropy_coef=self.args.entropy_coef)
-
-    def _checkpoint_extras(self) -> tuple[EntropyBonus | None, nn.Module | None]:
-        """What moves with training beyond the weights: the adaptive entropy bonus and the synced reference model."""
-        entropy_bonus = self._step.loss.entropy_bonus if self.args.use_adaptive_entropy else None
-        synced = self.args.sync_ref_model and self.ref_model is not None
-        return entropy_bonus, self.accelerator.unwrap_model(self.ref_model) if synced else None
-
-    def _mix_policy_into_reference(self) -> None:
-        """``sync_ref_model``: move the reference towards the policy by ``ref_model_mixup_alpha``."""
-        unwrap = self.accelerator.unwrap_model
-        mix_weights_into(unwrap(self.ref_model), unwrap(self.model), self.args.ref_model_mixup_alpha)
+            self._checkpoint_extras.load(checkpoint)
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         super()._load_best_model(*args, **kwargs)
@@ -566,11 +536,7 @@ class TargetPOTrainer(Trainer):
             loss = self._step.train_in_passes(
                 model, batch, self.accelerator.backward, self.current_gradient_accumulation_steps
             )
-        steps = self.args.torch_empty_cache_steps
-        if steps is not None and self.state.global_step % steps == 0:
-            clear_device_cache()
-            if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
-                torch.mps.clear_graph_cache()
+        empty_device_cache_if_due(self.args.torch_empty_cache_steps, self.state.global_step)
         return loss
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):

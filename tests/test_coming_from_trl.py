@@ -387,8 +387,8 @@ def test_a_resumed_run_goes_on_with_the_entropy_coefficient_and_the_synced_refer
     checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
     assert json.loads((checkpoint / "entropy_coefficient.json").read_text())["entropy_coef"] == pytest.approx(0.2)
     resumed = run(tmp_path / "c", resume=str(checkpoint))
-    assert straight._loss.entropy_bonus.coefficient == pytest.approx(0.3)  # raised after each of the 4 steps (entropy under target)
-    assert resumed._loss.entropy_bonus.coefficient == pytest.approx(straight._loss.entropy_bonus.coefficient)
+    assert straight._step.loss.entropy_bonus.coefficient == pytest.approx(0.3)  # raised after each of the 4 steps (entropy under target)
+    assert resumed._step.loss.entropy_bonus.coefficient == pytest.approx(straight._step.loss.entropy_bonus.coefficient)
     for model in ("ref_model", "model"):
         resumed_weights = dict(getattr(resumed, model).named_parameters())
         for name, value in getattr(straight, model).named_parameters():

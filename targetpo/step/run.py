@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
 from ..batch import RolloutBatch
-from ..generation import SamplingSettings
 from ..objectives.registry import LossTerms, Objective, TrainingLoss, build_objective
 from ..objectives.regularisers import importance_sampling_applies
 from ..reporting.metrics import MetricsRecorder, record_loss_metrics
+from ..rollout.context import RolloutContext
 from .forward import PolicyLogps, TokenLogps
 from .plan import StepPlan
 from .split_groups import SplitGroups
@@ -56,21 +55,17 @@ class StepRunner:
     def build(
         cls,
         plan: StepPlan,
-        args: Any,
-        accelerator: Accelerator,
-        model: nn.Module,
-        sampling: SamplingSettings,
-        metrics: MetricsRecorder,
-        guard: Guard,
-        global_step: Callable[[], int],
+        context: RolloutContext,
         record_targets: RecordTargets,
         group_size: Callable[[str], int],
         local_rows: Callable[[int], slice],
-        sharded: bool,
     ) -> StepRunner:
-        """The step of a run: the objective ``loss_type`` names, the regularisers the run switches on, the policy's
-        token log-probs as sampling saw them, and the softmax of split groups. Called from the trainer's
-        ``__init__``: the warnings of these parts point at the line that builds the trainer."""
+        """The step of a run, given the parts its rollouts are given: the objective ``loss_type`` names, the
+        regularisers the run switches on, the policy's token log-probs as sampling saw them, and the softmax of split
+        groups. Called from the trainer's ``__init__``: the warnings of these parts point at the line that builds the
+        trainer."""
+        args, accelerator, sampling, sharded = context.args, context.accelerator, context.sampling, context.sharded
+        model = context.model()
         unwrapped = accelerator.unwrap_model(model)
         # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
         is_moe = getattr(unwrapped.config.get_text_config(decoder=True), "output_router_logits", None) is not None
@@ -100,9 +95,12 @@ class StepRunner:
         )
         split_groups = None
         if plan.groups_split:
-            collective_guard = lambda what: guard(what, local=not sharded)  # noqa: E731
             split_groups = SplitGroups(
-                plan.layout, accelerator, logps, args.tpo_length_normalize_logps, collective_guard
+                plan.layout,
+                accelerator,
+                logps,
+                args.tpo_length_normalize_logps,
+                lambda what: context.guard(what, local=not sharded),
             )
         importance_sampling = importance_sampling_applies(args, sampling)
         return cls(
@@ -111,9 +109,9 @@ class StepRunner:
             loss,
             logps,
             accelerator,
-            metrics,
-            guard,
-            global_step,
+            context.metrics,
+            context.guard,
+            context.global_step,
             record_targets,
             sharded=sharded,
             importance_sampling=importance_sampling,
