@@ -230,6 +230,8 @@ UPCOMING_ROW = "__upcoming_row__"
 #: Key under which rows read for asynchronous rollouts carry their index in the dataset (this row's, and the upcoming
 #: row's): episodes played ahead are used only for the rows they were played for.
 ROW_INDEX = "__row_index__"
+#: Every key the training sampler tags a row with.
+SAMPLER_TAGS = (ROLLOUT_USE, UPCOMING_ROW, ROW_INDEX)
 
 
 class RolloutRows(torch.utils.data.Dataset):
@@ -538,4 +540,11 @@ def training_stream(
         tag_uses=True,
         images_allowed=images_allowed,
         prompt_optional=prompt_optional,
+    )
+
+
+def evaluation_stream(dataset: Any, group_size: int, images_allowed: bool, prompt_optional: bool) -> RolloutStream:
+    """A streamed evaluation dataset, read in order, each prompt ``group_size`` times."""
+    return RolloutStream(
+        dataset, group_size, split="eval", images_allowed=images_allowed, prompt_optional=prompt_optional
     )

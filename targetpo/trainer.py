@@ -1,17 +1,10 @@
 """TargetPOTrainer: sample a group of completions per prompt, score them, fit the policy to the TPO target.
 
-One training micro-step reads as:
-
-1. ``_prepare_inputs`` hands out a step batch of the current rollout; the sampler repeats each rollout's rows for the
-   ``steps_per_generation * num_iterations`` micro-steps it serves, and the first of them makes the rollout;
-2. a rollout (``_rollout``) gets completions from the rollout backend (``generation/``: ``model.generate``, vLLM in
-   process or a ``vllm serve`` process, possibly generated ahead), scores them, whitens the scores into ``u`` and,
-   where the weights will have moved before the rollout is used, records the old log-probs and builds the target ``q``;
-3. ``compute_loss`` computes the policy's token log-probs (``policy_logps.py``) and returns the loss of the objective
-   ``loss_type`` names (TPO: the cross-entropy to ``q``, built from the detached log-probs if the rollout did not) plus
-   the regularisers (``objectives.py``); what the step built for later iterations is kept in the batch's cache.
-   With ``max_tokens_per_micro_batch``, ``training_step`` runs it in passes of bounded tokens, each back-propagated
-   on its own (``token_budget.py``).
+The trainer wires; each part lives where its concern does. One micro-step: ``_prepare_inputs`` takes the step batch
+of the current rollout from the scheduler (``rollout/scheduler.py``), whose first use makes the rollout
+(``_rollout``: a source's completions, scored and whitened, then what the step needs of it, ``step/run.py``);
+``compute_loss`` hands it to the step runner: rows -> masks -> log-probs -> loss terms -> record. With
+``max_tokens_per_micro_batch`` ``training_step`` runs the micro-step in passes, each back-propagated on its own.
 """
 
 from __future__ import annotations
@@ -25,67 +18,23 @@ from accelerate.utils import set_seed
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
+from . import data, distributed
 from . import functional as F
 from .batch import RolloutBatch
 from .callbacks import CheckpointExtras, OnOptimizerStep, check_sync_ref_model
+from .config import preflight
 from .config.fields import GRPOConfig, TargetPOConfig
-from .config.preflight import (
-    DatasetNeeds,
-    check_datasets,
-    check_run_settings,
-    check_train_prompts,
-    kept_columns,
-    prompts_from_environments,
-    resolve_config,
-)
-from .data import (
-    NEEDS_PROCESSOR,
-    ROLLOUT_USE,
-    ROW_INDEX,
-    UPCOMING_ROW,
-    RepeatSampler,
-    RolloutRows,
-    RolloutStream,
-    identity_collator,
-    is_stream,
-    stream_loader_settings,
-    training_sampler,
-    training_stream,
-)
-from .distributed import (
-    ProcessGuard,
-    check_engine_supported,
-    destroy_gloo_group_at_exit,
-    empty_device_cache_if_due,
-    prepare_frozen_model,
-    shards_parameters,
-)
 from .episodes.multi_turn import EnvironmentPool, check_multi_turn_arguments, with_environment_rewards
 from .episodes.tools import AsyncRunner, Toolbox
 from .generation import RolloutBackend, SamplingSettings
-from .modeling.loading import (
-    PromptLimit,
-    load_policy,
-    load_processing_class,
-    load_tokenizer,
-    max_positions,
-    mix_weights_into,
-    prepare_policy,
-)
-from .modeling.vision import is_processor
+from .modeling.loading import PromptLimit, load_policy_and_processing, max_positions, mix_weights_into, prepare_policy
 from .objectives.registry import trains_whole_groups
-from .reporting.completions import (
-    CompletionsLog,
-)
+from .reporting.completions import CompletionsLog
 from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
-from .rollout.context import RolloutContext
-from .rollout.scheduler import RolloutScheduler
-from .rollout.scoring import RolloutScorer
-from .rollout.sources import rollout_source
-from .step.plan import StepPlan, check_passes_supported
-from .step.run import StepRunner
+from .rollout import RolloutContext, RolloutScheduler, RolloutScorer, rollout_source
+from .step import StepPlan, StepRunner, check_passes_supported
 
 
 class TargetPOTrainer(Trainer):
@@ -138,11 +87,11 @@ class TargetPOTrainer(Trainer):
         environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
         rollout_func: Callable[[list[Any], TargetPOTrainer], dict[str, Any]] | None = None,
     ):
-        args = resolve_config(model, args, self.default_config)
-        check_run_settings(args, evaluates=eval_dataset is not None)
+        args = preflight.resolve_config(model, args, self.default_config)
+        preflight.check_run_settings(args, evaluates=eval_dataset is not None)
         reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
         if eval_dataset is None:  # given one, the trainer may only evaluate: train() checks its prompts then
-            check_train_prompts(args, train_dataset, self._environments)
+            preflight.check_train_prompts(args, train_dataset, self._environments)
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
         self.reward_scorer = RewardScorer(
             reward_funcs,
@@ -157,7 +106,7 @@ class TargetPOTrainer(Trainer):
         super().__init__(
             model=policy,
             args=args,
-            data_collator=identity_collator,
+            data_collator=data.identity_collator,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=self._processor or self._tokenizer,  # saved with every checkpoint
@@ -185,21 +134,17 @@ class TargetPOTrainer(Trainer):
     ) -> PreTrainedModel:
         """The policy and its tokenizer (or processor), the datasets checked against them, and the prompt limit its
         positions leave."""
-        policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
-        processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
-        self._tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
-        # A vision-language model's processor encodes prompts with images and renders them with its chat template.
-        self._processor = processing_class if is_processor(processing_class) else None
+        policy, self._tokenizer, self._processor = load_policy_and_processing(model, processing_class, args)
         # What prompts with images would need that this run lacks (None: they can be trained on).
-        self._images_need = NEEDS_PROCESSOR if self._processor is None else None
-        self._dataset_needs = DatasetNeeds(
+        self._images_need = data.NEEDS_PROCESSOR if self._processor is None else None
+        self._dataset_needs = preflight.DatasetNeeds(
             self._processor or self._tokenizer,
             self._images_need,
             multi_turn=self._tool_loop_needed,
             environments=self._environments,
             check_reward_arguments=self.reward_scorer.check_arguments if rollout_func is None else None,
         )
-        check_datasets(args, train_dataset, eval_dataset, self._dataset_needs)
+        preflight.check_datasets(args, train_dataset, eval_dataset, self._dataset_needs)
         # Prompt and completion must fit the model's positions: prompts give way, keeping their last tokens.
         self._prompt_limit = PromptLimit(
             args.max_prompt_length,
@@ -240,15 +185,17 @@ class TargetPOTrainer(Trainer):
         sampling works, and the metrics recorder."""
         args, accelerator = self.args, self.accelerator
         self.model_accepts_loss_kwargs = False
-        check_engine_supported(accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None)
-        destroy_gloo_group_at_exit()
+        distributed.check_engine_supported(
+            accelerator, passes_per_micro_step=args.max_tokens_per_micro_batch is not None
+        )
+        distributed.destroy_gloo_group_at_exit()
         # Sharded weights (ZeRO-3, FSDP2) make every forward pass, generation included, a collective.
-        self._sharded = shards_parameters(accelerator)
-        self._failures_reach_every_process = ProcessGuard(accelerator.device)
+        self._sharded = distributed.shards_parameters(accelerator)
+        self._failures_reach_every_process = distributed.ProcessGuard(accelerator.device)
         # Frozen models are sharded like the policy under ZeRO-3 / FSDP2, so they cost no full copy per device.
         micro_batch = args.per_device_train_batch_size
         if self.ref_model is not None:
-            self.ref_model = prepare_frozen_model(accelerator, self.ref_model, micro_batch)
+            self.ref_model = distributed.prepare_frozen_model(accelerator, self.ref_model, micro_batch)
         if args.sync_ref_model:
             check_sync_ref_model(has_reference_copy=self.ref_model is not None, sharded=self._sharded)
             unwrap = accelerator.unwrap_model
@@ -257,7 +204,9 @@ class TargetPOTrainer(Trainer):
                 mix_weights_into(unwrap(self.ref_model), unwrap(self.model), args.ref_model_mixup_alpha)
 
             self.add_callback(OnOptimizerStep(mix, every=args.ref_model_sync_steps))
-        self.reward_scorer.prepare_models(lambda model: prepare_frozen_model(accelerator, model, micro_batch))
+        self.reward_scorer.prepare_models(
+            lambda model: distributed.prepare_frozen_model(accelerator, model, micro_batch)
+        )
         self.sampling = SamplingSettings.from_config(args, self._tokenizer, accelerator.unwrap_model(self.model))
         self._metrics = MetricsRecorder(accelerator)  # each metric's running mean since the last log
 
@@ -345,34 +294,36 @@ class TargetPOTrainer(Trainer):
         return None if self._environments is None else self._environments.latest
 
     # ------------------------------------------------------------------------------------------------ data
-    def _get_train_sampler(self, train_dataset: Any = None) -> RepeatSampler:
+    def _get_train_sampler(self, train_dataset: Any = None) -> data.RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        sampler = training_sampler(self.args, len(dataset), self._plan.generate_every, self._plan.lookahead_use)
-        if isinstance(dataset, RolloutRows):  # the epoch may reach the sampler through the rows (RolloutRows.set_epoch)
+        sampler = data.training_sampler(self.args, len(dataset), self._plan.generate_every, self._plan.lookahead_use)
+        if isinstance(
+            dataset, data.RolloutRows
+        ):  # the epoch may reach the sampler through the rows (RolloutRows.set_epoch)
             dataset.sampler = sampler
         return sampler
 
-    def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
-        return RepeatSampler(len(eval_dataset), num_generations=self._group_size("eval"), shuffle=False)
+    def _get_eval_sampler(self, eval_dataset: Any) -> data.RepeatSampler:
+        return data.RepeatSampler(len(eval_dataset), num_generations=self._group_size("eval"), shuffle=False)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:  # the environment makes up the prompts (or the trainer says what is missing)
-            self.train_dataset = prompts_from_environments(self.args, self._environments)
+            self.train_dataset = preflight.prompts_from_environments(self.args, self._environments)
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
         # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time. A stream is read in
         # order and repeated the same way as it arrives.
         batch_size = self.args.per_device_train_batch_size * self.args.steps_per_generation
-        if is_stream(self.train_dataset):
-            stream = training_stream(
+        if data.is_stream(self.train_dataset):
+            stream = data.training_stream(
                 self.args,
                 self.train_dataset,
                 self._plan.generate_every,
                 images_allowed=self._images_need is None,
                 prompt_optional=self._environments is not None,
             )
-            with stream_loader_settings(self.args, self.accelerator):
+            with data.stream_loader_settings(self.args, self.accelerator):
                 return self._get_dataloader(stream, "Training", batch_size=batch_size, is_training=True)
-        rows = RolloutRows(self.train_dataset)
+        rows = data.RolloutRows(self.train_dataset)
         return self._get_dataloader(rows, "Training", batch_size, self._get_train_sampler, is_training=True)
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
@@ -382,20 +333,13 @@ class TargetPOTrainer(Trainer):
             dataset = self.eval_dataset
         else:  # given to `evaluate()`, so not checked yet
             dataset = eval_dataset
-            check_datasets(self.args, None, dataset, self._dataset_needs)
+            preflight.check_datasets(self.args, None, dataset, self._dataset_needs)
         self.args.check_eval_batch_size()
-        if dataset is not None and is_stream(dataset):
-            stream = RolloutStream(
-                dataset,
-                self._group_size("eval"),
-                split="eval",
-                images_allowed=self._images_need is None,
-                prompt_optional=self._environments is not None,
-            )
-            with stream_loader_settings(self.args, self.accelerator):
-                return self._get_dataloader(
-                    dataset=stream, description="Evaluation", batch_size=self.args.eval_batch_size
-                )
+        if dataset is not None and data.is_stream(dataset):
+            images_allowed, prompt_optional = self._images_need is None, self._environments is not None
+            stream = data.evaluation_stream(dataset, self._group_size("eval"), images_allowed, prompt_optional)
+            with data.stream_loader_settings(self.args, self.accelerator):
+                return self._get_dataloader(stream, "Evaluation", batch_size=self.args.eval_batch_size)
         # A name goes on as it is: the Trainer keeps each named dataset's (persistent-worker) loader under its name.
         return super().get_eval_dataloader(eval_dataset if isinstance(eval_dataset, str) else dataset)
 
@@ -408,7 +352,7 @@ class TargetPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         # With remove_unused_columns=True only what rollouts themselves read is kept.
         if self._signature_columns is None:
-            self._signature_columns = [*kept_columns(self._environments), ROLLOUT_USE, UPCOMING_ROW, ROW_INDEX]
+            self._signature_columns = [*preflight.kept_columns(self._environments), *data.SAMPLER_TAGS]
 
     def train(self, *args: Any, **kwargs: Any):
         self._scheduler.buffer = None  # a (resumed) run starts with a fresh rollout
@@ -536,7 +480,7 @@ class TargetPOTrainer(Trainer):
             loss = self._step.train_in_passes(
                 model, batch, self.accelerator.backward, self.current_gradient_accumulation_steps
             )
-        empty_device_cache_if_due(self.args.torch_empty_cache_steps, self.state.global_step)
+        distributed.empty_device_cache_if_due(self.args.torch_empty_cache_steps, self.state.global_step)
         return loss
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None):

@@ -20,6 +20,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .vision import is_processor
+
 
 def from_pretrained_or_explain(loader: Any, name_or_path: str, what: str, **kwargs: Any) -> Any:
     """``loader.from_pretrained`` with an error that says what to do when the files cannot be found or fetched."""
@@ -67,6 +69,17 @@ def load_policy(
             f"`model` must be a model id, a path or a PreTrainedModel for causal LM, got {type(model).__name__}."
         )
     return model
+
+
+def load_policy_and_processing(
+    model: str | PreTrainedModel, processing_class: Any, args: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Any]:
+    """The policy, its tokenizer, and a vision-language model's processor (which encodes prompts with images and
+    renders them with its chat template; None for other models), each as given or loaded from the model's id."""
+    policy = load_policy(model, args.model_init_kwargs, args.trust_remote_code)
+    processing_class = load_processing_class(policy, processing_class, args.trust_remote_code)
+    tokenizer = load_tokenizer(policy, processing_class, args.trust_remote_code)
+    return policy, tokenizer, processing_class if is_processor(processing_class) else None
 
 
 def load_processing_class(model: PreTrainedModel, processing_class: Any, trust_remote_code: bool = False) -> Any:

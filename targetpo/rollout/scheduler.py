@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..batch import RolloutBatch
-from ..data import ROLLOUT_USE, ROW_INDEX, UPCOMING_ROW
+from ..data import ROLLOUT_USE, ROW_INDEX, SAMPLER_TAGS, UPCOMING_ROW
 from ..distributed import full_model_for_generation
 from ..generation import (
     Completions,
@@ -334,7 +334,7 @@ def same_model_inputs(first: PromptImages | None, second: PromptImages | None) -
 
 def _untagged(row: dict[str, Any]) -> dict[str, Any]:
     """A dataset row without the sampler's tags."""
-    return {key: value for key, value in row.items() if key not in (ROLLOUT_USE, UPCOMING_ROW, ROW_INDEX)}
+    return {key: value for key, value in row.items() if key not in SAMPLER_TAGS}
 
 
 def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
