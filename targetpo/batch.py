@@ -1,7 +1,11 @@
-"""What a rollout holds, and what one step batch of it may cache across ``num_iterations``.
+"""What a rollout holds, and what training one step batch of it works out: the records passed between the rollout
+side and the step.
 
 A :class:`RolloutBatch` is one process's rows of a rollout (or of one step batch cut from it): a row is one completion
-of one prompt, and rows of a group are contiguous. It also reads and writes like a dict under the names TRL's GRPO
+of one prompt, and rows of a group are contiguous. Its facts are frozen once the rollout is made. What the step works
+out for a step batch (which rows train, the old log-probs, the softmax of groups split over micro-steps, the token
+count of the normaliser, what its first use built for the later ones) is its :class:`StepState`, which only the step
+writes. The loss reads both through a :class:`StepBatch`, which also reads like a dict under the names TRL's GRPO
 trainer gives the same tensors (``inputs["advantages"]``, ``inputs["completion_mask"]``, ...), so code written
 against those names, a ``compute_loss`` override included, keeps working.
 """
@@ -16,31 +20,15 @@ from typing import Any
 import torch
 
 #: Keys under which per-token extras of prompts with images, and of completions whose tool results hold images, are
-#: read and written one by one.
+#: read one by one.
 PROMPT_ALIGNED = "prompt_aligned/"
 COMPLETION_ALIGNED = "completion_aligned/"
 _ALIGNED = {PROMPT_ALIGNED: "prompt_aligned", COMPLETION_ALIGNED: "completion_aligned"}
 
 
-@dataclass
-class StepCache:
-    """What the first use of a step batch computes and its later uses (``num_iterations``) reuse: every use then fits
-    the same ``q`` and applies the same importance weights, whatever the weights have become."""
-
-    targets: torch.Tensor | None = None  # q of the rows: built at rollout, or by the step batch's first use
-    importance_weights: torch.Tensor | None = None  # p_trainer / p_sampler per token, bounded
-
-    def rows(self, index: slice) -> StepCache:
-        return StepCache(*(None if value is None else value[index] for value in _values(self)))
-
-    def updated(self, built: StepCache) -> StepCache:
-        """This cache with what a use of the step batch ``built`` (its fields that are not None) added."""
-        return StepCache(*(new if new is not None else kept for kept, new in zip(_values(self), _values(built))))
-
-
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
-    """One process's rows of a rollout, or of one step batch of it."""
+    """One process's rows of a rollout, or of one step batch of it: what the rollout made, frozen."""
 
     prompt_ids: torch.Tensor  # (rows, prompt tokens), left-padded
     prompt_mask: torch.Tensor
@@ -57,12 +45,42 @@ class RolloutBatch:
     pixel_inputs: list[Any] | None = None
     prompt_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
     completion_aligned: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Per-token log-probs of the completions: the sampler's (vLLM), the policy's at rollout time (when the weights
-    # move before the rollout is trained on; the rows a step batch's first use trains at the rollout's weights are
-    # filled in by that use), the reference model's (beta > 0).
+    # Per-token log-probs of the completions: the sampler's (vLLM) and the reference model's (beta > 0).
     sampler_per_token_logps: torch.Tensor | None = None
-    old_per_token_logps: torch.Tensor | None = None
     ref_per_token_logps: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.completion_ids.size(0)
+
+    def rows(self, index: slice) -> RolloutBatch:
+        """The rows in ``index`` (whole groups, for a step batch); the rollout-wide values are shared."""
+        return RolloutBatch(**{name: _cut(value, index) for name, value in _fields(self).items()})
+
+    def replaced(self, **facts: Any) -> RolloutBatch:
+        """This rollout with ``facts`` in place of its own (a new record: this one stays as it is)."""
+        return dataclasses.replace(self, **facts)
+
+
+@dataclass
+class StepCache:
+    """What the first use of a step batch computes and its later uses (``num_iterations``) reuse: every use then fits
+    the same ``q`` and applies the same importance weights, whatever the weights have become."""
+
+    targets: torch.Tensor | None = None  # q of the rows: built at rollout, or by the step batch's first use
+    importance_weights: torch.Tensor | None = None  # p_trainer / p_sampler per token, bounded
+
+    def rows(self, index: slice) -> StepCache:
+        return StepCache(*(_cut(value, index) for value in _fields(self).values()))
+
+    def updated(self, built: StepCache) -> StepCache:
+        """This cache with what a use of the step batch ``built`` (its fields that are not None) added."""
+        return StepCache(*(new if new is not None else kept for kept, new in zip(_values(self), _values(built))))
+
+
+@dataclass
+class StepState:
+    """What the step works out for a rollout's rows and keeps across their micro-steps (``step/run.py``)."""
+
     # The token-normalised losses' divisor: one optimiser step's tokens over every process, per micro-step share.
     loss_token_count: float | None = None
     # The optimiser step the rollout was made at (training): its weights are the rollout's until the next step.
@@ -71,54 +89,81 @@ class RolloutBatch:
     # rollout's and afterwards.
     rows_with_gradient_at_rollout: torch.Tensor | None = None
     rows_with_gradient: torch.Tensor | None = None
-    # The rows whose old log-probs the step batch's first use fills in (it runs at the rollout's weights and computes
-    # them anyway); None once filled, or where the rollout recorded them all.
+    # The policy's per-token log-probs at rollout time, where the weights move before the rows are trained on: recorded
+    # at rollout, or (the rows a step batch's first use trains at the rollout's weights) filled in by that use.
+    old_per_token_logps: torch.Tensor | None = None
+    # The rows whose old log-probs the step batch's first use fills in; None once filled, or where all were recorded.
     old_logps_from_first_use: torch.Tensor | None = None
     # Groups split over micro-steps (TPO): each row's log of its group's softmax p at the weights of optimiser step
-    # ``group_log_probs_step`` (``split_groups.py``).
+    # ``group_log_probs_step`` (``step/split_groups.py``).
     group_log_probs: torch.Tensor | None = None
     group_log_probs_step: int | None = None
     cache: StepCache = field(default_factory=StepCache)
 
-    def __len__(self) -> int:
-        return self.completion_ids.size(0)
+    def rows(self, index: slice) -> StepState:
+        return StepState(**{name: _cut(value, index) for name, value in _fields(self).items()})
 
-    def rows(self, index: slice) -> RolloutBatch:
-        """The rows in ``index`` (whole groups, for a step batch); the rollout-wide values are shared."""
-        cut = {}
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
-            if torch.is_tensor(value) or spec.name == "pixel_inputs" and value is not None:
-                value = value[index]
-            elif spec.name in _ALIGNED.values():
-                value = {key: tensor[index] for key, tensor in value.items()}
-            elif spec.name == "cache":
-                value = value.rows(index)
-            cut[spec.name] = value
-        return RolloutBatch(**cut)
+
+class StepBatch:
+    """One step batch as the loss reads it: the rollout's rows (``record``, frozen) and what the step works out for
+    them (``state``). Attributes and dict keys of either read through; only the state's can be written."""
+
+    __slots__ = ("record", "state")
+
+    def __init__(self, record: RolloutBatch, state: StepState | None = None):
+        object.__setattr__(self, "record", record)
+        object.__setattr__(self, "state", StepState() if state is None else state)
+
+    def __getattr__(self, name: str) -> Any:
+        source = self.state if name in _STATE else self.record
+        return getattr(source, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _STATE:
+            raise AttributeError(
+                f"{name!r} is a fact of the rollout, frozen once made; the step writes only {sorted(_STATE)}. "
+                "For other facts, make a new batch: `batch.replaced(name=value)`."
+            )
+        setattr(self.state, name, value)
+
+    def __len__(self) -> int:
+        return len(self.record)
+
+    def rows(self, index: slice) -> StepBatch:
+        """The rows in ``index``, with their own state."""
+        return StepBatch(self.record.rows(index), self.state.rows(index))
+
+    def step_batches(self, rows_per_step: int) -> list[StepBatch]:
+        """Cut into step batches of ``rows_per_step`` rows, each with its own state (and cache)."""
+        return [self.rows(slice(start, start + rows_per_step)) for start in range(0, len(self), rows_per_step)]
+
+    def replaced(self, **facts: Any) -> StepBatch:
+        """This step batch with other rollout facts (a test's sampler log-probs, ...); the state is shared."""
+        return StepBatch(self.record.replaced(**facts), self.state)
 
     def masks_without(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The completion mask and validity with only ``rows`` (bool; None: every row) kept. Rows left out count as
         invalid, all-masked members: each loss then gives them exactly 0 while keeping them (and their groups) in its
         averages, which is what their zero gradient contributes."""
         if rows is None:
-            return self.completion_mask, self.valid
-        return self.completion_mask * rows.unsqueeze(-1), self.valid & rows
-
-    def step_batches(self, rows_per_step: int) -> list[RolloutBatch]:
-        """Cut into step batches of ``rows_per_step`` rows, each with its own cache."""
-        return [self.rows(slice(start, start + rows_per_step)) for start in range(0, len(self), rows_per_step)]
+            return self.record.completion_mask, self.record.valid
+        return self.record.completion_mask * rows.unsqueeze(-1), self.record.valid & rows
 
     @classmethod
-    def from_mapping(cls, inputs: Mapping[str, Any]) -> RolloutBatch:
-        """A batch from a dict keyed by the names this class reads as (e.g. one built by hand for ``compute_loss``)."""
-        batch = cls(**{name: inputs[name] for name in _REQUIRED})
+    def from_mapping(cls, inputs: Mapping[str, Any]) -> StepBatch:
+        """A step batch from a dict keyed by the names it reads as (e.g. one built by hand for ``compute_loss``)."""
+        facts = {name: inputs[name] for name in _RECORD if name in inputs}
+        for prefix, name in _ALIGNED.items():
+            facts[name] = {key[len(prefix) :]: value for key, value in inputs.items() if key.startswith(prefix)}
+        batch = cls(RolloutBatch(**facts))
         for key, value in inputs.items():
-            if key not in _REQUIRED:
+            if key in _STATE or key in _CACHED:
                 batch[key] = value
+            elif key not in _RECORD and _aligned_prefix(key) is None:
+                raise KeyError(f"{key!r} is not a rollout field; the fields are {sorted(_NAMES)}.")
         return batch
 
-    # --- read and written like a dict, under TRL's names -----------------------------------------------------------
+    # --- read like a dict under TRL's names; the step's state written the same way ---------------------------------
     def __getitem__(self, key: str) -> Any:
         value = self._lookup(key)
         if value is None:
@@ -127,14 +172,15 @@ class RolloutBatch:
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key in _CACHED:
-            setattr(self.cache, key, value)
-        elif _aligned_prefix(key) is not None:
-            prefix = _aligned_prefix(key)
-            getattr(self, _ALIGNED[prefix])[key[len(prefix) :]] = value
-        elif key in _FIELDS:
-            setattr(self, key, value)
+            setattr(self.state.cache, key, value)
+        elif key in _STATE:
+            setattr(self.state, key, value)
+        elif key in _NAMES or _aligned_prefix(key) is not None:
+            raise KeyError(
+                f"{key!r} is a fact of the rollout, frozen once made: make a new batch, `batch.replaced({key}=...)`."
+            )
         else:
-            raise KeyError(f"{key!r} is not a rollout field; the fields are {sorted(_FIELDS | _CACHED)}.")
+            raise KeyError(f"{key!r} is not a rollout field; the fields are {sorted(_NAMES)}.")
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self._lookup(key) is not None
@@ -144,22 +190,23 @@ class RolloutBatch:
         return default if value is None else value
 
     def keys(self) -> Iterator[str]:
-        names = [name for name in _FIELDS if name not in ("cache", *_ALIGNED.values())] + sorted(_CACHED)
-        yield from (name for name in names if name in self)
+        yield from (name for name in _NAMES_IN_ORDER if name in self)
         for prefix, field_name in _ALIGNED.items():
-            yield from (prefix + name for name in getattr(self, field_name))
+            yield from (prefix + name for name in getattr(self.record, field_name))
 
     def items(self) -> Iterator[tuple[str, Any]]:
         return ((key, self[key]) for key in self.keys())
 
     def _lookup(self, key: str) -> Any:
         if key in _CACHED:
-            return getattr(self.cache, key)
+            return getattr(self.state.cache, key)
+        if key in _STATE and key != "cache":
+            return getattr(self.state, key)
         prefix = _aligned_prefix(key)
         if prefix is not None:
-            return getattr(self, _ALIGNED[prefix]).get(key[len(prefix) :])
-        if key in _FIELDS and key not in ("cache", *_ALIGNED.values()):
-            return getattr(self, key)
+            return getattr(self.record, _ALIGNED[prefix]).get(key[len(prefix) :])
+        if key in _RECORD and key not in _ALIGNED.values():
+            return getattr(self.record, key)
         return None
 
 
@@ -168,15 +215,34 @@ def _aligned_prefix(key: str) -> str | None:
     return next((prefix for prefix in _ALIGNED if key.startswith(prefix)), None)
 
 
+def _fields(record: Any) -> dict[str, Any]:
+    """A dataclass's fields by name, not copied (``dataclasses.asdict`` would deep-copy the tensors)."""
+    return {spec.name: getattr(record, spec.name) for spec in dataclasses.fields(record)}
+
+
 def _values(cache: StepCache) -> list[Any]:
-    """The cache's fields in order, not copied (``dataclasses.astuple`` would deep-copy the tensors)."""
-    return [getattr(cache, spec.name) for spec in dataclasses.fields(cache)]
+    return list(_fields(cache).values())
 
 
-_FIELDS = {spec.name for spec in dataclasses.fields(RolloutBatch)}
-_REQUIRED = [
-    spec.name
-    for spec in dataclasses.fields(RolloutBatch)
-    if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
-]
+def _cut(value: Any, index: slice) -> Any:
+    """A field's value for the rows in ``index``: tensors, per-row lists and dicts of per-row tensors are cut, a cache
+    cut row by row; rollout-wide values are shared."""
+    if torch.is_tensor(value) or isinstance(value, list):
+        return value[index]
+    if isinstance(value, dict):
+        return {key: tensor[index] for key, tensor in value.items()}
+    if isinstance(value, StepCache):
+        return value.rows(index)
+    return value
+
+
+_RECORD = [spec.name for spec in dataclasses.fields(RolloutBatch)]
+_STATE = {spec.name for spec in dataclasses.fields(StepState)}
 _CACHED = {spec.name for spec in dataclasses.fields(StepCache)}
+#: Every name a step batch reads as, in the order ``keys()`` gives them (the record's, the state's, the cache's).
+_NAMES_IN_ORDER = [
+    *(name for name in _RECORD if name not in _ALIGNED.values()),
+    *(spec.name for spec in dataclasses.fields(StepState) if spec.name != "cache"),
+    *sorted(_CACHED),
+]
+_NAMES = set(_NAMES_IN_ORDER)

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from . import data, distributed
 from . import functional as F
-from .batch import RolloutBatch
+from .batch import StepBatch
 from .callbacks import CheckpointExtras, OnOptimizerStep, check_sync_ref_model
 from .config import preflight
 from .config.fields import GRPOConfig, TargetPOConfig
@@ -386,7 +386,7 @@ class TargetPOTrainer(Trainer):
         self.close()
 
     # ------------------------------------------------------------------------------------------------ rollout
-    def _prepare_inputs(self, rows: list[dict[str, Any]]) -> RolloutBatch:
+    def _prepare_inputs(self, rows: list[dict[str, Any]]) -> StepBatch:
         if not self.model.training:
             return self._rollout(rows, mode="eval")
         batch = self._scheduler.step_batch(rows)  # the step batch of the current rollout, made at its first use
@@ -396,16 +396,16 @@ class TargetPOTrainer(Trainer):
         return batch
 
     @torch.no_grad()
-    def _rollout(self, rows: list[dict[str, Any]], mode: str) -> RolloutBatch:
+    def _rollout(self, rows: list[dict[str, Any]], mode: str) -> StepBatch:
         """Generate, score and whiten one rollout; record old/reference log-probs and q where they are needed."""
         sourced = self._rollout_source.collect(rows, mode)
         group_size = self._group_size(mode)
         scored = self._rollout_scorer.score(sourced, self.state, group_size, self._local_slice(len(rows)))
         batch, advantages_all, valid_all = scored.batch, scored.advantages_all, scored.valid_all
         reference = self._reference_logps if self.args.beta > 0 else None
-        self._step.prepare_rollout(batch, advantages_all, valid_all, mode, self.model, reference)
+        batch = self._step.prepare_rollout(batch, advantages_all, valid_all, mode, self.model, reference)
         self._rollout_count += 1
-        batch["rollout"] = self._rollout_count
+        batch = batch.replaced(rollout=self._rollout_count)
         extra_columns = self._rollout_scorer.record_reward_logs(scored.reward_logs, mode)
         if mode == "train" and self.args.log_completions:
             step, rollout = self.state.global_step, self._rollout_count
@@ -414,7 +414,7 @@ class TargetPOTrainer(Trainer):
         self._rollout_scorer.record_metrics(scored, group_size, mode)
         return batch
 
-    def _reference_logps(self, batch: RolloutBatch) -> torch.Tensor:
+    def _reference_logps(self, batch: StepBatch) -> torch.Tensor:
         """The reference model's token log-probs of a rollout (beta > 0)."""
         return self._step.logps.of_reference(batch, self.ref_model, self.model, self.accelerator.unwrap_model)
 
@@ -449,7 +449,7 @@ class TargetPOTrainer(Trainer):
         return slice(start, start + local_size)
 
     def _token_logps(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token completion log-probs of ``batch`` (a RolloutBatch, or a dict of its four row tensors) under
+        """Per-token completion log-probs of ``batch`` (a StepBatch, or a dict of its four row tensors) under
         ``model``, as sampling saw them, and no entropies."""
         logps = self._step.logps(model, batch)
         return logps.per_token, logps.entropies
@@ -458,14 +458,14 @@ class TargetPOTrainer(Trainer):
     def compute_loss(
         self,
         model: nn.Module,
-        inputs: RolloutBatch,
+        inputs: StepBatch,
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         if return_outputs:
             raise ValueError("TargetPOTrainer.compute_loss does not return model outputs.")
-        if not isinstance(inputs, RolloutBatch):  # a batch built by hand, keyed by the record's names
-            inputs = RolloutBatch.from_mapping(inputs)
+        if not isinstance(inputs, StepBatch):  # a batch built by hand, keyed by the record's names
+            inputs = StepBatch.from_mapping(inputs)
         return self._step.loss_of(model, inputs, "train" if model.training else "eval")
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -491,7 +491,7 @@ class TargetPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------------ metrics
 
-    def _record_targets(self, batch: RolloutBatch, mode: str, valid: torch.Tensor | None = None) -> None:
+    def _record_targets(self, batch: StepBatch, mode: str, valid: torch.Tensor | None = None) -> None:
         """The diagnostics of a freshly built q (``record_targets``), and q itself for the completions table."""
         sample_index, targets = record_targets(self._metrics, mode, batch, self._group_size(mode), valid)
         if mode == "train":

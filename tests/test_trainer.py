@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 import targetpo.step.forward as policy_logps_module
 from targetpo import TargetPOTrainer
 from targetpo import functional as F
-from targetpo.batch import RolloutBatch
+from targetpo.batch import StepBatch
 from targetpo.demo import build_tiny_causal_lm
 from targetpo.modeling.logps import completion_logps, packed_completion_logps
 from targetpo.objectives.registry import TargetObjective
@@ -603,7 +603,7 @@ def test_completions_without_gradient_are_left_out_exactly(tmp_path, tiny_model,
     assert torch.equal(rows, cat & (batch["advantages"] != 0) if loss_type == "grpo" else cat)
     assert rows.any() and not rows.all()
 
-    everything = RolloutBatch.from_mapping(
+    everything = StepBatch.from_mapping(
         {key: value for key, value in batch.items() if not key.startswith("rows_with_gradient")}
     )
     counter = _RowCounter(monkeypatch)

@@ -10,6 +10,7 @@ rollout serves its step batches in turn, ``num_iterations`` times over), never r
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import reference as ref
@@ -344,7 +345,7 @@ def test_the_off_policy_mask_measures_from_vllms_log_probs_only_where_they_descr
     assert "old_per_token_logps" not in batch  # one step per rollout: the policy is the rollout's
     mask = batch["completion_mask"].float()
     logps, entropies = trainer._token_logps(trainer.model, batch)
-    batch["sampler_per_token_logps"] = (logps.detach() + 0.5) * mask  # a kept mass of exp(-0.5) at every token
+    batch = batch.replaced(sampler_per_token_logps=(logps.detach() + 0.5) * mask)  # a kept mass of exp(-0.5) per token
     keep = trainer._step.loss.token_filter(logps, entropies, batch, mask)
     negative = batch["advantages"] < 0
     assert negative.any() and (~negative).any()
@@ -618,7 +619,7 @@ def test_importance_weights_scale_each_tokens_gradient(tmp_path, tokenizer, sett
         trainer_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
     # Offsets that give weights below 1, at 1, between 1 and the cap, and above it (capped).
     offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
-    batch["sampler_per_token_logps"] = (trainer_logps + offsets) * mask
+    batch = batch.replaced(sampler_per_token_logps=(trainer_logps + offsets) * mask)
     weights = expected_weights(offsets, mask)
 
     model.zero_grad()
@@ -676,6 +677,7 @@ class SampledElsewhere:
     rollout_logps: torch.Tensor
     offsets: torch.Tensor
     q: torch.Tensor
+    batch: Any  # the step batch with these sampler log-probs
 
     @classmethod
     def set_on(cls, batch, trainer, model, args):
@@ -685,13 +687,13 @@ class SampledElsewhere:
         with torch.no_grad():
             rollout_logps, _ = ref.token_logps(copy.deepcopy(model), *inputs, 1.0, suppressed_ids(args))
         offsets = torch.tensor([0.3, 0.0, -0.2, -1.0])[torch.arange(mask.numel()) % 4].view_as(mask)
-        batch["sampler_per_token_logps"] = (rollout_logps + offsets) * mask
+        batch = batch.replaced(sampler_per_token_logps=(rollout_logps + offsets) * mask)  # the state stays shared
         u = ref.whitened(letter_score(trainer.processing_class.batch_decode(
             [ids[: int(n)] for ids, n in zip(batch["completion_ids"], batch["completion_attention_mask"].sum(1))],
             skip_special_tokens=True,
         )), valid, 4)
         q = ref.targets(ref.sequence_logps(rollout_logps, mask, True), u, valid, 4, 1.0)
-        return cls(inputs, mask, valid, rollout_logps, offsets, q)
+        return cls(inputs, mask, valid, rollout_logps, offsets, q, batch)
 
     def hand_gradients(self, model, args):
         """The gradient with each token weighted by ``min(p_rollout / p_sampler, 1.5)`` at the model's weights."""
@@ -719,6 +721,7 @@ def test_importance_weights_come_from_the_rollouts_policy_in_every_epoch(tmp_pat
     model, args, trainer = importance_sampling_trainer(tmp_path, tokenizer, num_iterations=2)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     sampled = SampledElsewhere.set_on(batch, trainer, model, args)
+    batch = sampled.batch
     for epoch in range(2):
         model.zero_grad()
         trainer.compute_loss(model, batch).backward()
@@ -742,6 +745,7 @@ def test_importance_weights_of_a_step_batch_first_used_after_the_weights_moved_c
     first = trainer._prepare_inputs(next(uses))
     second = trainer._prepare_inputs(next(uses))  # the same rollout's other step batch
     sampled = SampledElsewhere.set_on(second, trainer, model, args)
+    second = sampled.batch
     model.zero_grad()
     trainer.compute_loss(model, first).backward()
     sampled.sgd_step(model, args)  # the optimiser step between the two step batches

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..batch import RolloutBatch
+from ..batch import StepBatch
 from ..data import ROLLOUT_USE, ROW_INDEX, SAMPLER_TAGS, UPCOMING_ROW
 from ..distributed import full_model_for_generation
 from ..generation import (
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .sources import RolloutSource
 
 #: ``make_rollout(rows, mode)``: generate, score and whiten one rollout of these dataset rows.
-MakeRollout = Callable[[list[dict[str, Any]], str], RolloutBatch]
+MakeRollout = Callable[[list[dict[str, Any]], str], StepBatch]
 
 
 @dataclass
@@ -92,7 +92,7 @@ class RolloutScheduler:
         self._backend_closer: weakref.finalize | None = None  # closes the built one at `close()`, collection or exit
         self.weights_version: int | None = None  # the optimiser step whose weights the rollout backend holds
         self.upcoming: UpcomingRollout | EpisodesAhead | None = None  # the next rollout, under way (async_rollouts)
-        self.buffer: list[RolloutBatch] | None = None  # the current rollout's step batches
+        self.buffer: list[StepBatch] | None = None  # the current rollout's step batches
         self.use = 0  # the current rollout's use the last step batch was handed out for
         self.rollout_indices: list[int] | None = None  # the dataset rows of the rollout being made (async_rollouts)
         self._episode_player: ThreadPoolExecutor | None = None  # plays episodes ahead, one rollout at a time
@@ -184,7 +184,7 @@ class RolloutScheduler:
             self.sync_weights()
 
     # ------------------------------------------------------------------------------------------------ rollouts
-    def step_batch(self, rows: list[dict[str, Any]]) -> RolloutBatch:
+    def step_batch(self, rows: list[dict[str, Any]]) -> StepBatch:
         """The training step batch these tagged rows stand for: use 0 makes a new rollout (so does a resumed run, which
         may begin mid-rollout); uses cycle through the step batches, ``num_iterations`` times."""
         args = self.context.args

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, StepBatch
 from ..objectives.registry import LossTerms, Objective, TrainingLoss, build_objective
 from ..objectives.regularisers import importance_sampling_applies
 from ..reporting.metrics import MetricsRecorder, record_loss_metrics
@@ -24,7 +24,7 @@ from .token_budget import joined_by_rows, pass_token_shares
 #: ``guard(what, local=True)``: stop every process when the block fails on one (see ``distributed.py``).
 Guard = Callable[..., contextlib.AbstractContextManager]
 #: ``record_targets(batch, mode, valid)``: the diagnostics of a freshly built q (the trainer adds it to its table).
-RecordTargets = Callable[[RolloutBatch, str, "torch.Tensor | None"], None]
+RecordTargets = Callable[[StepBatch, str, "torch.Tensor | None"], None]
 
 
 class StepRunner:
@@ -121,16 +121,17 @@ class StepRunner:
     # ------------------------------------------------------------------------------------------------ at rollout
     def prepare_rollout(
         self,
-        batch: RolloutBatch,
+        record: RolloutBatch,
         advantages_all: torch.Tensor,
         valid_all: torch.Tensor,
         mode: str,
         model: nn.Module,
-        reference: Callable[[RolloutBatch], torch.Tensor] | None,
-    ) -> None:
-        """What the loss needs of the rollout beyond its rows: its token count, the rows it may leave out, and the
-        old and reference log-probs (``reference(batch)``: the reference model's, where beta > 0)."""
+        reference: Callable[[StepBatch], torch.Tensor] | None,
+    ) -> StepBatch:
+        """The rollout with what the loss needs of it beyond its rows: its token count, the rows it may leave out, and
+        the old and reference log-probs (``reference(batch)``: the reference model's, where beta > 0)."""
         args = self.objective.args
+        batch = StepBatch(record)
         batch.loss_token_count = self.objective.rollout_token_count(batch.completion_mask, mode)
         if mode == "train":
             batch.rollout_step = self.global_step()
@@ -151,9 +152,10 @@ class StepRunner:
                 if needs_old_logps:
                     self._record_old_logps(batch, model)
                 if reference is not None:
-                    batch.ref_per_token_logps = reference(batch)
+                    batch = batch.replaced(ref_per_token_logps=reference(batch))
+        return batch
 
-    def build_targets(self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str):
+    def build_targets(self, batch: StepBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor, mode: str):
         """The objective's target where it is built at rollout, and the softmax of groups split over micro-steps."""
         targets = self.objective.targets_at_rollout(batch, advantages_all, valid_all)
         if targets is not None:  # built once at rollout (TPO's q): kept for every use of the rollout
@@ -162,7 +164,7 @@ class StepRunner:
         if mode == "train" and self.split_groups is not None:
             self.split_groups.at_rollout(batch, valid_all, self.global_step())
 
-    def _record_old_logps(self, batch: RolloutBatch, model: nn.Module) -> None:
+    def _record_old_logps(self, batch: StepBatch, model: nn.Module) -> None:
         """The policy's log-probs at rollout time, of the rows no step batch's first use computes (all of them, unless
         each step batch is first used at the rollout's weights)."""
         if not self.plan.old_logps_at_first_use:
@@ -177,7 +179,7 @@ class StepRunner:
             batch.old_per_token_logps = self.logps.batched(model, batch, rows=rest)
 
     # ------------------------------------------------------------------------------------------------ micro-steps
-    def loss_of(self, model: nn.Module, batch: RolloutBatch, mode: str) -> torch.Tensor:
+    def loss_of(self, model: nn.Module, batch: StepBatch, mode: str) -> torch.Tensor:
         """One micro-step's loss of a step batch: rows -> masks -> log-probs -> loss terms -> record."""
         rows = self.rows_to_train(batch, mode)
         mask, valid = batch.masks_without(rows)
@@ -188,7 +190,7 @@ class StepRunner:
         return terms.loss
 
     def train_in_passes(
-        self, model: nn.Module, batch: RolloutBatch, backward: Callable[[torch.Tensor], None], accumulation: int
+        self, model: nn.Module, batch: StepBatch, backward: Callable[[torch.Tensor], None], accumulation: int
     ) -> torch.Tensor:
         """One micro-step in passes of at most max_tokens_per_micro_batch tokens, each back-propagated
         (``backward(loss / accumulation)``) as soon as its loss is known: every pass's loss is its rows' part of the
@@ -224,7 +226,7 @@ class StepRunner:
         self._keep_and_record(batch, terms, entropies, rows, "train")
         return terms.loss / accumulation
 
-    def _training_passes(self, model: nn.Module, batch: RolloutBatch, rows: torch.Tensor | None) -> list[torch.Tensor]:
+    def _training_passes(self, model: nn.Module, batch: StepBatch, rows: torch.Tensor | None) -> list[torch.Tensor]:
         """The rows to train (bool; None: all) in passes of at most max_tokens_per_micro_batch tokens (row masks), a
         group's rows in one pass where the plan keeps groups whole; as many passes on every process, since the
         training model's forward pass is a collective under DDP (it shares the model's buffers)."""
@@ -236,7 +238,7 @@ class StepRunner:
             passes += [torch.zeros_like(passes[0]) for _ in range(most - len(passes))]
         return passes
 
-    def rows_to_train(self, batch: RolloutBatch, mode: str) -> torch.Tensor | None:
+    def rows_to_train(self, batch: StepBatch, mode: str) -> torch.Tensor | None:
         """The step batch's rows whose gradient can be non-zero (``F.rows_with_gradient``); None: every row."""
         if mode != "train" or batch.rows_with_gradient is None:
             return None
@@ -246,7 +248,7 @@ class StepRunner:
 
     def _loss_of_rows(
         self,
-        batch: RolloutBatch,
+        batch: StepBatch,
         logps: TokenLogps,
         mask: torch.Tensor,
         valid: torch.Tensor,
@@ -263,7 +265,7 @@ class StepRunner:
 
     def _keep_and_record(
         self,
-        batch: RolloutBatch,
+        batch: StepBatch,
         terms: LossTerms,
         entropies: torch.Tensor | None,
         rows: torch.Tensor | None,
@@ -278,7 +280,7 @@ class StepRunner:
             self.record_targets(batch, mode, None if batch.old_per_token_logps is not None else valid)
 
     def policy_logps(
-        self, model: nn.Module, batch: RolloutBatch, rows: torch.Tensor | None, mask: torch.Tensor
+        self, model: nn.Module, batch: StepBatch, rows: torch.Tensor | None, mask: torch.Tensor
     ) -> TokenLogps:
         """The policy's token log-probs and entropies of the rows to train (and a router's loss), checked finite."""
 
@@ -302,7 +304,7 @@ class StepRunner:
             self._require_finite_logps(logps.per_token, mask)
         return logps
 
-    def _fill_old_logps(self, batch: RolloutBatch, per_token_logps: torch.Tensor, rows: torch.Tensor | None) -> None:
+    def _fill_old_logps(self, batch: StepBatch, per_token_logps: torch.Tensor, rows: torch.Tensor | None) -> None:
         """At a step batch's first use, at the rollout's weights: the old log-probs of the rows it trains are its own
         (of ``rows``, a pass's under a token budget; None: all it trains). The rows still to come stay marked."""
         if self.global_step() != batch.rollout_step:

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from .. import functional as F
-from ..batch import RolloutBatch
+from ..batch import StepBatch
 from .forward import PolicyLogps
 from .layout import BatchLayout
 
@@ -41,14 +41,14 @@ class SplitGroups:
         self.length_normalize = length_normalize
         self.failures_reach_every_process = failures_reach_every_process  # around local work before a collective
 
-    def at_rollout(self, batch: RolloutBatch, valid_all: torch.Tensor, step: int) -> None:
+    def at_rollout(self, batch: StepBatch, valid_all: torch.Tensor, step: int) -> None:
         """``p_old`` from the rollout's old log-probs: ``p`` for every optimiser step that trains at these weights."""
         old = F.sequence_logps(batch.old_per_token_logps, batch.completion_mask, self.length_normalize)
         log_probs_all = F.group_log_softmax(self.accelerator.gather(old), self.layout.num_generations, valid_all)
         batch.group_log_probs = log_probs_all[batch.sample_index]
         batch.group_log_probs_step = step
 
-    def refresh(self, model: nn.Module, step_batches: list[RolloutBatch], use: int, step: int) -> None:
+    def refresh(self, model: nn.Module, step_batches: list[StepBatch], use: int, step: int) -> None:
         """Before use ``use`` of the rollout: ``p`` at the current weights for the step batches whose rows make up the
         groups it trains (every one this optimiser step trains, or its own where each holds whole groups), from one
         pass without gradient over them (collective: every process computes its rows')."""
@@ -84,7 +84,7 @@ class SplitGroups:
             batch.group_log_probs_step = step
 
     @torch.no_grad()
-    def _sequence_logps(self, model: nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sequence_logps(self, model: nn.Module, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The step batch's sequence log-probs, and which rows count in their group's softmax: the valid rows whose
         gradient can be non-zero at moved weights (the rest, whole groups or invalid rows, are skipped)."""
         rows = batch.rows_with_gradient
