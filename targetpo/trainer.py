@@ -24,8 +24,7 @@ from .batch import StepBatch
 from .callbacks import CheckpointExtras, OnOptimizerStep, check_sync_ref_model
 from .config import preflight
 from .config.fields import GRPOConfig, TargetPOConfig
-from .episodes.multi_turn import EnvironmentPool, check_multi_turn_arguments, with_environment_rewards
-from .episodes.tools import AsyncRunner, Toolbox
+from .episodes.parts import EpisodeParts
 from .generation import RolloutBackend, SamplingSettings
 from .modeling.loading import PromptLimit, load_policy_and_processing, max_positions, mix_weights_into, prepare_policy
 from .objectives.registry import trains_whole_groups
@@ -89,7 +88,10 @@ class TargetPOTrainer(Trainer):
     ):
         args = preflight.resolve_config(model, args, self.default_config)
         preflight.check_run_settings(args, evaluates=eval_dataset is not None)
-        reward_funcs, reward_weights = self._set_up_tools(tools, environment_factory, rollout_func, reward_funcs, args)
+        self.tools, self.rollout_func = list(tools or []), rollout_func
+        self._episodes = EpisodeParts.of(self.tools, environment_factory, rollout_func)
+        self._environments = self._episodes.environments
+        reward_funcs, reward_weights = self._episodes.with_rewards(reward_funcs, args.reward_weights)
         if eval_dataset is None:  # given one, the trainer may only evaluate: train() checks its prompts then
             preflight.check_train_prompts(args, train_dataset, self._environments)
         # The reward scorer checks its arguments before it loads any reward model, so a bad call fails in seconds.
@@ -140,7 +142,7 @@ class TargetPOTrainer(Trainer):
         self._dataset_needs = preflight.DatasetNeeds(
             self._processor or self._tokenizer,
             self._images_need,
-            multi_turn=self._tool_loop_needed,
+            multi_turn=self._episodes.multi_turn,
             environments=self._environments,
             check_reward_arguments=self.reward_scorer.check_arguments if rollout_func is None else None,
         )
@@ -154,31 +156,6 @@ class TargetPOTrainer(Trainer):
         )
         self._max_prompt_tokens = self._prompt_limit.tokens
         return policy
-
-    def _set_up_tools(
-        self,
-        tools: Sequence[Callable] | None,
-        environment_factory: Any,
-        rollout_func: Any,
-        reward_funcs: Any,
-        args: Any,
-    ) -> tuple[Any, Any]:
-        """Tools, environments and rollout_func, checked; the reward functions and weights, with an environment's
-        own reward joined."""
-        self.tools = list(tools or [])
-        self.rollout_func = rollout_func
-        check_multi_turn_arguments(self.tools, environment_factory, rollout_func)
-        self._toolbox = Toolbox(self.tools)  # the tools of every sample, when there is no environment
-        self._async_runner = AsyncRunner()  # async tools and rewards; its thread starts on first use
-        self._environments = (
-            EnvironmentPool(environment_factory, self.tools, self._async_runner)
-            if environment_factory is not None
-            else None
-        )
-        self._tool_loop_needed = bool(self.tools) or self._environments is not None
-        if self._environments is not None and self._environments.rewards:
-            return with_environment_rewards(reward_funcs, args.reward_weights, self._environments.rewards)
-        return reward_funcs, args.reward_weights
 
     def _set_up_engine(self) -> None:
         """What the accelerator decides: sharded weights, the guard of local work, where frozen models live, how
@@ -244,17 +221,12 @@ class TargetPOTrainer(Trainer):
             processor=self._processor,
             prompt_limit=self._prompt_limit,
             images_allowed=self._images_need is None,
-            async_runner=self._async_runner,
-            # The tools every prompt shows (an environment's come from a probe instance).
-            tool_schemas=self._environments.tool_schemas if self._environments else self._toolbox.schemas,
-            multi_turn=self._tool_loop_needed,
-            toolbox=self._toolbox,
-            environments=self._environments,
+            episodes=self._episodes,
             run_rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
         )
         # The rollout a step batch's first use asks for, looked up at each call (a subclass's or a test's own).
         self._scheduler = RolloutScheduler(
-            context, self._async_runner, lambda rows, mode: self._rollout(rows, mode), self._plan.lookahead_use
+            context, self._episodes.async_runner, lambda rows, mode: self._rollout(rows, mode), self._plan.lookahead_use
         )
         if args.async_rollouts:
             self.add_callback(OnOptimizerStep(self._scheduler.push_weights_while_generating))

@@ -34,6 +34,7 @@ FLOORS = {
         "generation",
         "generation.serve",
         "episodes.multi_turn",
+        "episodes.parts",
         "episodes",
         "modeling.output_head",
         "modeling.packing",

@@ -264,7 +264,7 @@ def test_lock_task_presses_keys_with_the_tool_within_a_turn_limit_set_by_its_key
     assert trainer.reward_scorer.names == ["Lock"]  # the lock scores itself
     prompts = [row["prompt"][0]["content"] for row in trainer.train_dataset]
     assert len(prompts) == 4096 and all(len(bits) == 3 and set(bits) <= {"0", "1"} for bits in prompts)
-    assert [schema["function"]["name"] for schema in trainer._rollout_context.tool_schemas] == ["press"]
+    assert [schema["function"]["name"] for schema in trainer._rollout_context.episodes.tool_schemas] == ["press"]
 
 
 def test_guess_task_plays_multi_turn_games_with_the_tool(tmp_path):

@@ -14,7 +14,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from ..episodes.multi_turn import EnvironmentPool, ToolLoop
-from ..episodes.tools import AsyncRunner, ConversationTemplate, Toolbox, ToolCallLimits
+from ..episodes.parts import EpisodeParts
+from ..episodes.tools import ConversationTemplate, ToolCallLimits
 from ..generation import Completions, PromptImages, RolloutBackend, SamplingSettings
 from ..modeling.loading import PromptLimit, max_positions
 from ..reporting.metrics import MetricsRecorder
@@ -43,11 +44,7 @@ class RolloutContext:
     processor: Any  # a vision-language model's processor: encodes prompts with images; else None
     prompt_limit: PromptLimit
     images_allowed: bool  # whether prompts may carry images (else a row with one is refused, saying why)
-    async_runner: AsyncRunner  # runs async tools and rewards
-    tool_schemas: list[dict[str, Any]]  # the tools every prompt shows
-    multi_turn: bool = False  # tools or environments: rollouts are loops of turns
-    toolbox: Toolbox | None = None  # the tools of every sample, without environments
-    environments: EnvironmentPool | None = None
+    episodes: EpisodeParts  # tools, environments, the async runner
     run_rollout_func: Callable[[list[Any]], Any] | None = None  # the user's rollout_func, given its trainer
     prompt_encoder: PromptEncoder = field(init=False)
     tool_loop: ToolLoop | None = field(init=False)
@@ -61,7 +58,7 @@ class RolloutContext:
         self.prompt_encoder = PromptEncoder(
             self.tokenizer,
             self.processor,
-            self.tool_schemas,
+            self.episodes.tool_schemas,
             self.args.chat_template_kwargs,
             self.prompt_limit,
             self.sampling.pad_token_id,
@@ -69,11 +66,15 @@ class RolloutContext:
             self.guard,
             images_allowed=self.images_allowed,
         )
-        self.tool_loop = self._tool_loop(model) if self.multi_turn else None
+        self.tool_loop = self._tool_loop(model) if self.episodes.multi_turn else None
 
     @property
     def training(self) -> bool:
         return self.model().training
+
+    @property
+    def environments(self) -> EnvironmentPool | None:
+        return self.episodes.environments
 
     @property
     def processing_class(self) -> Any:
@@ -91,7 +92,7 @@ class RolloutContext:
         args, sampling = self.args, self.sampling
         template = ConversationTemplate(
             self.tokenizer,
-            self.tool_schemas,
+            self.episodes.tool_schemas,
             sampling.eos_token_ids,
             args.chat_template_kwargs,
             model.config.model_type,
@@ -103,7 +104,7 @@ class RolloutContext:
             args.max_tool_calling_iterations,
             sampling.eos_token_ids,
             sampling.pad_token_id,
-            self.async_runner,
+            self.episodes.async_runner,
             ToolCallLimits(args.tool_call_timeout, args.tool_call_concurrency),
             processor=self.processor,
             max_positions=max_positions(model),

@@ -80,7 +80,7 @@ class RolloutScorer:
             context.args,
             context.metrics,
             context.guard,
-            context.async_runner.run,
+            context.episodes.async_runner.run,
             context.sharded,
             context.prompt_encoder.render,
         )

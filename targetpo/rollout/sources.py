@@ -234,7 +234,7 @@ class ToolRollouts(EpisodeRollouts):
         context = self.context
         environments = None
         if context.environments is None:
-            prompts, toolboxes = [row["prompt"] for row in rows], [context.toolbox] * len(rows)
+            prompts, toolboxes = [row["prompt"] for row in rows], [context.episodes.toolbox] * len(rows)
         else:  # each environment's reset() adds to its row's prompt (or makes it up, for a row without one)
             with player.guard("starting the environments"):
                 environments, prompts, toolboxes = context.environments.start(rows, player.lane)
