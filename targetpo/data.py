@@ -43,6 +43,27 @@ def validate_prompt_dataset(
     """
     if dataset is None:
         return
+    _check_dataset_kind(dataset, split)
+    first = first_row(dataset)
+    if first is None:
+        raise ValueError(f"The {split} dataset is empty: it needs at least one row with a 'prompt'.")
+    has_prompts = _check_first_row(first, split, images_need, prompt_optional)
+    # A stream is read once, while training: its first row is checked now, the others as they arrive (RolloutStream).
+    if not has_prompts:
+        prompts = []
+    else:
+        prompts = [first["prompt"]] if is_stream(dataset) else column_values(dataset, "prompt", split)
+    # None without prompts: the environments' prompts are conversations.
+    first_is_text = _check_prompts(prompts, split, images_allowed=images_need is None)
+    if not first_is_text and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"The {split} dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
+            "template. Set `tokenizer.chat_template`, or use a standard dataset whose prompts are strings."
+        )
+
+
+def _check_dataset_kind(dataset: Any, split: str) -> None:
+    """A dataset the trainer can read more than once: map-style or a stream, not a one-shot iterator."""
     if isinstance(dataset, Iterator):
         raise ValueError(
             f"The {split} dataset is a one-shot iterator ({type(dataset).__name__}): the trainer reads a dataset more "
@@ -56,9 +77,11 @@ def validate_prompt_dataset(
             f"The {split} dataset must be a map-style dataset (e.g. `datasets.Dataset`) or a stream (e.g. "
             f"`datasets.IterableDataset`), not a {type(dataset).__name__}."
         )
-    first = first_row(dataset)
-    if first is None:
-        raise ValueError(f"The {split} dataset is empty: it needs at least one row with a 'prompt'.")
+
+
+def _check_first_row(first: Any, split: str, images_need: str | None, prompt_optional: bool) -> bool:
+    """The columns of the first row: a prompt (unless optional), and images only where they can be trained on.
+    Returns whether the rows have prompts."""
     has_prompts = isinstance(first, dict) and "prompt" in first
     if not has_prompts and not (prompt_optional and isinstance(first, dict)):
         columns = list(first.keys()) if isinstance(first, dict) else type(first).__name__
@@ -84,14 +107,14 @@ def validate_prompt_dataset(
             f"The {split} dataset has images but its prompts are plain strings: images need conversational prompts, "
             "whose chat template places them. Wrap each as `[{'role': 'user', 'content': prompt}]`."
         )
-    first_is_text = None  # stays None without prompts: the environments' prompts are conversations
-    # A stream is read once, while training: its first row is checked now, the others as they arrive (RolloutStream).
-    if not has_prompts:
-        prompts = []
-    else:
-        prompts = [first["prompt"]] if is_stream(dataset) else column_values(dataset, "prompt", split)
+    return has_prompts
+
+
+def _check_prompts(prompts: Iterable[Any], split: str, images_allowed: bool) -> bool | None:
+    """Every prompt well formed, all of one format; whether they are strings (None: no prompts)."""
+    first_is_text = None
     for index, prompt in enumerate(prompts):
-        problem = prompt_problem(prompt, images_allowed=images_need is None)
+        problem = prompt_problem(prompt, images_allowed=images_allowed)
         if problem is not None:
             raise ValueError(
                 f"The {split} dataset's prompt in row {index} {problem[0]}. Every prompt must be a non-empty string or "
@@ -108,11 +131,7 @@ def validate_prompt_dataset(
                 "with `tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)` in "
                 "`dataset.map(...)`, or wrap strings as `[{'role': 'user', 'content': prompt}]`."
             )
-    if not first_is_text and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            f"The {split} dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
-            "template. Set `tokenizer.chat_template`, or use a standard dataset whose prompts are strings."
-        )
+    return first_is_text
 
 
 def column_values(dataset: Any, column: str, split: str) -> Iterator[Any]:

@@ -19,6 +19,7 @@ import os
 import random
 import string
 from pathlib import Path
+from typing import Any
 
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -362,24 +363,37 @@ def build_tiny_vision_chat_model(
     if importlib.util.find_spec("PIL") is None:
         raise ImportError("The tiny vision-language model's image processor needs Pillow: pip install pillow")
     import torch
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextImageProcessorPil,
-        LlavaNextProcessor,
-    )
+    from transformers import LlavaNextForConditionalGeneration
 
-    hidden, heads = 32, 2
+    processor = _tiny_llava_next_processor()
+    config = _tiny_llava_next_config(processor.tokenizer, text_layers, max_positions)
+    tokenizer = processor.tokenizer
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.generation_config.suppress_tokens = [tokenizer.image_token_id]
+    return model, processor
+
+
+#: The tiny LLaVA-NeXT's sizes: hidden size and attention heads, and the grid pinpoints that give every image the base
+#: crop plus two (so pixel_values rows match).
+_TINY_VISION_HIDDEN, _TINY_VISION_HEADS, _TINY_VISION_PINPOINTS = 32, 2, [[28, 56], [56, 28]]
+
+
+def _tiny_llava_next_processor() -> ProcessorMixin:
+    """The tiny LLaVA-NeXT's processor: 28x28 crops, and the character tokenizer with an ``<image>`` token."""
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
     tokenizer = build_char_tokenizer(
         chat_template=image_chat_template("<image>"), named_special_tokens={"image_token": "<image>"}
     )
-    pinpoints = [[28, 56], [56, 28]]  # every image: 2 crops + the base image, so pixel_values rows match
     image_processor = LlavaNextImageProcessorPil(
-        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=_TINY_VISION_PINPOINTS
     )
-    processor = LlavaNextProcessor(
+    return LlavaNextProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=14,
@@ -387,6 +401,13 @@ def build_tiny_vision_chat_model(
         chat_template=tokenizer.chat_template,
         num_additional_image_tokens=1,  # CLIP's CLS token
     )
+
+
+def _tiny_llava_next_config(tokenizer: Any, text_layers: int, max_positions: int) -> Any:
+    """One Llama text layer (or ``text_layers``) and one CLIP vision layer, hidden size 32."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig
+
+    hidden, heads = _TINY_VISION_HIDDEN, _TINY_VISION_HEADS
     text = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -408,24 +429,16 @@ def build_tiny_vision_chat_model(
         image_size=28,
         patch_size=14,
     )
-    config = LlavaNextConfig(
+    return LlavaNextConfig(
         text_config=text,
         vision_config=vision,
         image_token_index=tokenizer.image_token_id,
-        image_grid_pinpoints=pinpoints,
+        image_grid_pinpoints=_TINY_VISION_PINPOINTS,
         vision_feature_layer=-1,  # the one vision layer's output (the default -2 would skip it)
         vision_feature_select_strategy="default",
         image_seq_length=4,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlavaNextForConditionalGeneration(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = None
-    model.generation_config.suppress_tokens = [tokenizer.image_token_id]
-    return model, processor
 
 
 def save_tiny_vision_chat_model(directory: str | os.PathLike, max_positions: int = TINY_CHAT_MODEL_POSITIONS) -> str:
