@@ -123,6 +123,45 @@ class RewardLogs:
         self.metrics.setdefault(name, []).append(float(value))
 
 
+def _checked_reward_sources(
+    reward_funcs: Any, reward_processing_classes: Any, reward_weights: Sequence[float] | None
+) -> tuple[list[Any], list[Any], Sequence[float]]:
+    """The reward functions as a list, one tokenizer (or None) and one finite weight each; refused otherwise."""
+    if reward_funcs is None or (
+        isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
+    ):
+        raise ValueError(
+            "No reward source: pass reward_funcs (at least one reward function or reward model), or an "
+            "environment_factory whose environments define get_reward()."
+        )
+    funcs = (
+        list(reward_funcs)
+        if isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str)
+        else [reward_funcs]
+    )
+    if reward_processing_classes is None:
+        tokenizers: list[Any] = [None] * len(funcs)
+    elif isinstance(reward_processing_classes, Sequence):
+        tokenizers = list(reward_processing_classes)
+    else:
+        tokenizers = [reward_processing_classes]
+    if len(tokenizers) != len(funcs):
+        raise ValueError(
+            f"`reward_processing_classes` has {len(tokenizers)} entries for {len(funcs)} reward functions; give one "
+            "per reward function (None for plain functions)."
+        )
+    if reward_weights is None:
+        reward_weights = [1.0] * len(funcs)
+    if len(reward_weights) != len(funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} reward functions; give "
+            "one weight per reward function."
+        )
+    if not all(math.isfinite(float(weight)) for weight in reward_weights):
+        raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}.")
+    return funcs, tokenizers, reward_weights
+
+
 class RewardScorer:
     """Holds the reward functions and models with their weights, and scores a batch of completions."""
 
@@ -137,39 +176,9 @@ class RewardScorer:
     ):
         # Conversations reach reward models through their chat templates, with the run's template settings.
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        if reward_funcs is None or (
-            isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
-        ):
-            raise ValueError(
-                "No reward source: pass reward_funcs (at least one reward function or reward model), or an "
-                "environment_factory whose environments define get_reward()."
-            )
-        funcs = (
-            list(reward_funcs)
-            if isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str)
-            else [reward_funcs]
+        funcs, tokenizers, reward_weights = _checked_reward_sources(
+            reward_funcs, reward_processing_classes, reward_weights
         )
-        if reward_processing_classes is None:
-            tokenizers: list[Any] = [None] * len(funcs)
-        elif isinstance(reward_processing_classes, Sequence):
-            tokenizers = list(reward_processing_classes)
-        else:
-            tokenizers = [reward_processing_classes]
-        if len(tokenizers) != len(funcs):
-            raise ValueError(
-                f"`reward_processing_classes` has {len(tokenizers)} entries for {len(funcs)} reward functions; give one "
-                "per reward function (None for plain functions)."
-            )
-
-        if reward_weights is None:
-            reward_weights = [1.0] * len(funcs)
-        if len(reward_weights) != len(funcs):
-            raise ValueError(
-                f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} reward functions; give "
-                "one weight per reward function."
-            )
-        if not all(math.isfinite(float(weight)) for weight in reward_weights):
-            raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}.")
         self.funcs: list[Any] = []
         self.tokenizers: list[Any] = []
         for func, tokenizer in zip(funcs, tokenizers):

@@ -176,28 +176,32 @@ class ToolLoop:
             has_versions &= generated.weight_versions is not None
             requests: list[tuple[int, Toolbox | None, Any]] = []  # (sample, its toolbox, call or parse error)
             for row, index in enumerate(active):
-                sample = samples[index]
-                length = int(generated.attention_mask[row].sum())
-                room = self.max_completion_length - len(sample.ids)
-                turn = generated.ids[row, :length].tolist()[:room]
-                logps = generated.sampler_logps[row, : len(turn)].tolist() if has_logps else [0.0] * len(turn)
-                if generated.weight_versions is not None:
-                    version = int(generated.weight_versions[row])
-                    sample.oldest_version = (
-                        version if sample.oldest_version is None else min(sample.oldest_version, version)
-                    )
-                self._extend_turn(sample, turn, logps)
-                if len(turn) == budget < room and turn[-1] not in self.eos_token_ids:
-                    continue  # cut by the budget the model's positions left this call, not by its own room: it goes on
-                malformed = self._end_turn(sample, toolboxes[index].schemas)
-                if sample.done:
-                    continue
-                if malformed is not None:
-                    requests.append((index, None, malformed))
-                else:
-                    requests += [(index, toolboxes[index], call) for call in sample.messages[-1]["tool_calls"]]
+                calls = self._read_turn(samples[index], generated, row, budget, has_logps, toolboxes[index])
+                requests += [(index, toolbox, call) for toolbox, call in calls]
             self._answer_calls(samples, requests)
         return has_logps, has_versions
+
+    def _read_turn(
+        self, sample: _Sample, generated: Any, row: int, budget: int, has_logps: bool, toolbox: Toolbox
+    ) -> list[tuple[Toolbox | None, Any]]:
+        """Add row ``row`` of a generated turn to its sample (its tokens, log-probs and oldest weight version) and end
+        the turn; returns the tool calls to answer, each with its toolbox (None and the error for a malformed call)."""
+        length = int(generated.attention_mask[row].sum())
+        room = self.max_completion_length - len(sample.ids)
+        turn = generated.ids[row, :length].tolist()[:room]
+        logps = generated.sampler_logps[row, : len(turn)].tolist() if has_logps else [0.0] * len(turn)
+        if generated.weight_versions is not None:
+            version = int(generated.weight_versions[row])
+            sample.oldest_version = version if sample.oldest_version is None else min(sample.oldest_version, version)
+        self._extend_turn(sample, turn, logps)
+        if len(turn) == budget < room and turn[-1] not in self.eos_token_ids:
+            return []  # cut by the budget the model's positions left this call, not by its own room: it goes on
+        malformed = self._end_turn(sample, toolbox.schemas)
+        if sample.done:
+            return []
+        if malformed is not None:
+            return [(None, malformed)]
+        return [(toolbox, call) for call in sample.messages[-1]["tool_calls"]]
 
     @staticmethod
     def _extend_turn(sample: _Sample, tokens: list[int], logps: list[float]) -> None:

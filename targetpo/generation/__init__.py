@@ -52,27 +52,43 @@ def build_rollout_backend(
     if not args.use_vllm:
         return TransformersBackend(settings, generation_model, synced_gpus=sharded and accelerator.num_processes > 1)
     if args.vllm_mode == "server":
-        from .vllm_backend import head_apart_from_embeddings
-        from .vllm_server import VLLMServerBackend
+        return _server_backend(args, accelerator, policy, settings)
+    return _colocate_backend(args, accelerator, policy, settings, max_model_len, tokenizer)
 
-        if head_apart_from_embeddings(policy):
-            raise ValueError(
-                "The policy computes its output head with other weights than its input embeddings (PEFT trains a copy "
-                "of one, modules_to_save, or adapts one of them), but its config ties the two "
-                "(tie_word_embeddings=True): a vLLM server started from this model ties them too, and would sample "
-                "with the wrong head. Use vllm_mode='colocate' (its engine holds both), or train from and serve a "
-                "copy of the model saved with tie_word_embeddings=False (see docs/vllm.md)."
-            )
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        return VLLMServerBackend(
-            accelerator,
-            settings,
-            base_url,
-            args.vllm_server_timeout,
-            args.vllm_weight_transfer_backend,
-            api_key=resolve_api_key(args.vllm_server_api_key),
+
+def _server_backend(args: Any, accelerator: Any, policy: nn.Module, settings: SamplingSettings) -> RolloutBackend:
+    """A connection to a ``vllm serve`` process, refused where the served model would sample with the wrong head."""
+    from .vllm_backend import head_apart_from_embeddings
+    from .vllm_server import VLLMServerBackend
+
+    if head_apart_from_embeddings(policy):
+        raise ValueError(
+            "The policy computes its output head with other weights than its input embeddings (PEFT trains a copy "
+            "of one, modules_to_save, or adapts one of them), but its config ties the two "
+            "(tie_word_embeddings=True): a vLLM server started from this model ties them too, and would sample "
+            "with the wrong head. Use vllm_mode='colocate' (its engine holds both), or train from and serve a "
+            "copy of the model saved with tie_word_embeddings=False (see docs/vllm.md)."
         )
+    base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    return VLLMServerBackend(
+        accelerator,
+        settings,
+        base_url,
+        args.vllm_server_timeout,
+        args.vllm_weight_transfer_backend,
+        api_key=resolve_api_key(args.vllm_server_api_key),
+    )
 
+
+def _colocate_backend(
+    args: Any,
+    accelerator: Any,
+    policy: nn.Module,
+    settings: SamplingSettings,
+    max_model_len: int | None,
+    tokenizer: Any,
+) -> RolloutBackend:
+    """A vLLM engine in this process (one per training process), refused where it cannot run beside the trainer."""
     from .vllm_backend import VLLMColocateBackend
 
     if args.vllm_model_impl == "transformers":

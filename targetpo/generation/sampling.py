@@ -186,6 +186,21 @@ def resolve_generation_kwargs(args: Any) -> ResolvedSampling:
     ``ValueError`` names both settings.
     """
     extra = dict(args.generation_kwargs or {})
+    stop_token_ids = _pop_length_and_stop_keys(extra, args.max_completion_length)
+    resolved, from_generation_kwargs = _typed_fields_with_generation_kwargs(args, extra)
+    if not getattr(args, "use_vllm", False):
+        _refuse_keys_generate_ignores(extra)
+    return ResolvedSampling(
+        **resolved,
+        generation_kwargs=extra,
+        stop_token_ids=tuple(sorted(stop_token_ids)),
+        from_generation_kwargs=tuple(from_generation_kwargs),
+    )
+
+
+def _pop_length_and_stop_keys(extra: dict[str, Any], max_completion_length: int) -> set[int]:
+    """Take out of ``extra`` the keys that contradict the trainer (refused unless compatible), the length keys (which
+    must equal ``max_completion_length``) and the stop-token keys; returns the stop tokens."""
     for key, (compatible, why) in CONTRADICTING_KEYS.items():
         if key in extra:
             value = extra.pop(key)
@@ -193,9 +208,9 @@ def resolve_generation_kwargs(args: Any) -> ResolvedSampling:
                 raise ValueError(f"generation_kwargs['{key}']={value!r} is refused: it {why}.")
     for key in LENGTH_KEYS:
         value = extra.pop(key, None)
-        if value is not None and value != args.max_completion_length:
+        if value is not None and value != max_completion_length:
             raise ValueError(
-                f"generation_kwargs['{key}']={value!r} contradicts max_completion_length={args.max_completion_length}: "
+                f"generation_kwargs['{key}']={value!r} contradicts max_completion_length={max_completion_length}: "
                 "the trainer pads, masks truncated completions and sizes vLLM's context by max_completion_length. Set "
                 f"max_completion_length={value!r} and leave {key} out of generation_kwargs."
             )
@@ -204,6 +219,12 @@ def resolve_generation_kwargs(args: Any) -> ResolvedSampling:
         value = extra.pop(key, None)
         tokens = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
         stop_token_ids.update(int(token) for token in tokens)
+    return stop_token_ids
+
+
+def _typed_fields_with_generation_kwargs(args: Any, extra: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Each typed sampling field's one value, taking out of ``extra`` a key that spells it (it wins over a field at
+    its default, and must agree otherwise); and the fields whose value ``generation_kwargs`` gave."""
     resolved: dict[str, Any] = {}
     from_generation_kwargs = []
     for name, default in SAMPLING_FIELD_DEFAULTS.items():
@@ -224,21 +245,19 @@ def resolve_generation_kwargs(args: Any) -> ResolvedSampling:
             )
         resolved[name] = given
         from_generation_kwargs.append(name)
-    if not getattr(args, "use_vllm", False):
-        blank = GenerationConfig()
-        unknown = sorted(key for key in extra if not hasattr(blank, key))
-        if unknown:
-            raise ValueError(
-                f"generation_kwargs keys {unknown} are not GenerationConfig fields, so model.generate would ignore "
-                "them. Sampling with model.generate (use_vllm=False) takes GenerationConfig fields; vllm.SamplingParams "
-                "fields need use_vllm=True."
-            )
-    return ResolvedSampling(
-        **resolved,
-        generation_kwargs=extra,
-        stop_token_ids=tuple(sorted(stop_token_ids)),
-        from_generation_kwargs=tuple(from_generation_kwargs),
-    )
+    return resolved, from_generation_kwargs
+
+
+def _refuse_keys_generate_ignores(extra: dict[str, Any]) -> None:
+    """Without vLLM, every key left must be a ``GenerationConfig`` field, which ``model.generate`` reads."""
+    blank = GenerationConfig()
+    unknown = sorted(key for key in extra if not hasattr(blank, key))
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs keys {unknown} are not GenerationConfig fields, so model.generate would ignore "
+            "them. Sampling with model.generate (use_vllm=False) takes GenerationConfig fields; vllm.SamplingParams "
+            "fields need use_vllm=True."
+        )
 
 
 @dataclass(frozen=True)

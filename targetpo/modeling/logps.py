@@ -332,9 +332,9 @@ def _head_in_chunks(
     )
     plain = _is_plain_linear_head(head) and weight.device == hidden_rows.device
     in_triton = head_kernel == "triton" and plain and weight.dtype in HEAD_DTYPES
-    if in_triton:
-        from .triton_head import linear_head_logps  # imports Triton
-    elif head_kernel == "triton":  # the head was plain at set-up (else torch was chosen there, with a warning)
+    if (
+        head_kernel == "triton" and not in_triton
+    ):  # the head was plain at set-up (else torch was chosen there, with a warning)
         warnings.warn(
             "logps_head_kernel='triton': torch computes the output head because it changed after the trainer was set "
             f"up: {_head_change(head, hidden_rows)}. The same log-probs, in more time and memory.",
@@ -348,36 +348,43 @@ def _head_in_chunks(
         # weight's dtype), not once per chunk in forward and twice in backward: a whole-vocabulary cast each time.
         dtype = matmul_dtype(hidden_rows.device, weight)
         head_weight, head_bias = weight.to(dtype), None if head_bias is None else head_bias.to(dtype)
+    kind = "triton" if in_triton else "fused" if fused else "checkpointed" if training else "plain"
+    settings = (temperature, suppressed_token_ids, with_entropy, entropy_grad)
     for start in range(0, hidden_rows.size(0), chunk_size):
         part = (hidden_rows[start : start + chunk_size], token_rows[start : start + chunk_size])
-        if in_triton:
-            chunk_logps, chunk_entropy = linear_head_logps(
-                part[0], head_weight, head_bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
-            )
-        elif fused:
-            chunk_logps, chunk_entropy = _LinearHeadLogps.apply(
-                part[0], head_weight, head_bias, part[1], temperature, suppressed_token_ids, with_entropy, entropy_grad
-            )
-        elif training:
-            # Recompute the chunk's logits in backward instead of keeping them: the point of chunking.
-            chunk_logps, chunk_entropy = torch.utils.checkpoint.checkpoint(
-                _head_logps_and_entropy,
-                head,
-                *part,
-                temperature,
-                suppressed_token_ids,
-                with_entropy,
-                entropy_grad,
-                use_reentrant=False,
-            )
-        else:
-            chunk_logps, chunk_entropy = _head_logps_and_entropy(
-                head, *part, temperature, suppressed_token_ids, with_entropy, entropy_grad
-            )
+        chunk_logps, chunk_entropy = _chunk_logps(kind, head, head_weight, head_bias, *part, *settings)
         logps.append(chunk_logps)
         entropies.append(chunk_entropy)
     empty = hidden_rows.new_zeros(0, dtype=torch.float32)
     return (torch.cat(logps) if logps else empty), (torch.cat(entropies) if entropies else empty)
+
+
+def _chunk_logps(
+    kind: str,
+    head: nn.Module,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    suppressed_token_ids: torch.Tensor | None,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's log-probs and entropies: in Triton's kernels, in the fused linear head (a written-out backward),
+    checkpointed (the chunk's logits recomputed in backward instead of kept: the point of chunking), or plainly."""
+    settings = (temperature, suppressed_token_ids, with_entropy, entropy_grad)
+    if kind == "triton":
+        from .triton_head import linear_head_logps  # imports Triton
+
+        return linear_head_logps(hidden, weight, bias, tokens, *settings)
+    if kind == "fused":
+        return _LinearHeadLogps.apply(hidden, weight, bias, tokens, *settings)
+    if kind == "checkpointed":
+        return torch.utils.checkpoint.checkpoint(
+            _head_logps_and_entropy, head, hidden, tokens, *settings, use_reentrant=False
+        )
+    return _head_logps_and_entropy(head, hidden, tokens, *settings)
 
 
 def _chunked_head_logps(
@@ -493,12 +500,10 @@ def completion_logps(
     With ``chunk_size`` (for models where :func:`supports_chunked_head`), the ``(B, C, V)`` logits are never
     materialised: the output head runs on ``chunk_size`` completion positions at a time, padding positions are
     skipped (their log-probs read 0), and the backward pass recomputes each chunk; ``head_kernel="triton"`` computes
-    a plain linear head's chunks with Triton's kernels. Otherwise the model computes the completion positions' logits
-    in one piece. ``liger`` (with a ``chunk_size``, for a plain linear head and no
-    suppressed tokens) computes the log-probs with Liger's fused linear cross-entropy kernel. The entropies carry a
-    gradient only with ``entropy_grad`` (an entropy bonus in the loss); otherwise they are a metric. With
-    ``router_aux_loss`` (mixture-of-experts models) the forward pass also computes the router's load-balancing loss,
-    returned as a third value. Prompts with images bring the model's per-image inputs (``image_inputs``: pixel
+    a plain linear head's chunks with Triton's kernels; ``liger`` (for a plain linear head and no suppressed tokens)
+    Liger's fused linear cross-entropy kernel. Otherwise the model computes the completion positions' logits in one
+    piece. The entropies carry a gradient only with ``entropy_grad`` (an entropy bonus in the loss). With
+    ``router_aux_loss`` (mixture-of-experts models) the router's load-balancing loss is returned as a third value. Prompts with images bring the model's per-image inputs (``image_inputs``: pixel
     values, image grids, ...) and per-token inputs aligned with ``prompt_ids`` (``prompt_aligned``: token type ids),
     which read 0 over the completion, except where ``completion_aligned`` gives them (images in tool results).
     """
@@ -518,31 +523,23 @@ def completion_logps(
     kept_ids = completion_ids[:, :kept_columns]
     suppressed = None if suppressed_token_ids is None else _nonempty(suppressed_token_ids.to(kept_ids.device))
     if chunk_size is None:
-        logps, entropies, aux_loss = _logps_from_logits(
-            model, inputs, kept_ids, temperature, suppressed, with_entropy, entropy_grad
-        )
+        head = _logps_from_logits(model, inputs, kept_ids, temperature, suppressed, with_entropy, entropy_grad)
     else:
         kept_mask = completion_attention_mask[:, :kept_columns].bool()
-        logps, entropies, aux_loss = _logps_from_hidden_states(
-            model,
-            inputs,
-            kept_ids,
-            kept_mask,
-            temperature,
-            suppressed,
-            chunk_size,
-            with_entropy,
-            liger,
-            entropy_grad,
-            head_kernel,
-        )
-    # Put back the cut right-hand columns (they are masked everywhere) so shapes match the completion tensors.
-    pad = completion_ids.size(1) - kept_columns
+        settings = (temperature, suppressed, chunk_size, with_entropy, liger, entropy_grad, head_kernel)
+        head = _logps_from_hidden_states(model, inputs, kept_ids, kept_mask, *settings)
+    logps, entropies = _with_cut_columns(*head[:2], completion_ids.size(1))
+    return (logps, entropies, head[2]) if router_aux_loss else (logps, entropies)
+
+
+def _with_cut_columns(
+    logps: torch.Tensor, entropies: torch.Tensor | None, width: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cut right-hand columns put back (they are masked everywhere), so shapes match the completion tensors."""
+    pad = width - logps.size(1)
     if pad > 0:
         logps = nn.functional.pad(logps, (0, pad))
         entropies = nn.functional.pad(entropies, (0, pad)) if entropies is not None else None
-    if router_aux_loss:
-        return logps, entropies, aux_loss
     return logps, entropies
 
 

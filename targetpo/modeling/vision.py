@@ -178,27 +178,8 @@ def encode_prompts_with_images(
         # A chat template writes the special tokens itself; a ``plain`` string prompt gets the tokenizer's (as text
         # prompts do).
         special = bool(plain[index]) if plain is not None else False
-        encoded = processor(
-            text=[text],
-            images=[row_images_] if row_images_ else None,
-            return_tensors="pt",
-            add_special_tokens=special,
-        )
+        row = _encode_one_prompt(processor, text, row_images_, special, max_tokens)
         unexpanded_ids.append(processor.tokenizer(text, add_special_tokens=special)["input_ids"])
-        row = {key: value for key, value in encoded.items() if torch.is_tensor(value)}
-        length = row["input_ids"].size(1)
-        if max_tokens is not None and length > max_tokens:
-            if row_images_:
-                raise ValueError(
-                    f"A prompt with {len(row_images_)} image(s) is {length} tokens long, more than the "
-                    f"{max_tokens} prompt tokens allowed (max_prompt_length, or what the model's positions leave "
-                    "beside max_completion_length); its image tokens cannot be cut. Raise max_prompt_length, or "
-                    "make the images smaller (the processor's max_pixels / size)."
-                )
-            row = {
-                key: value[:, -max_tokens:] if value.dim() == 2 and value.size(1) == length else value
-                for key, value in row.items()
-            }
         rows.append(row)
     width = max(row["input_ids"].size(1) for row in rows)
     lengths = [row["input_ids"].size(1) for row in rows]
@@ -221,6 +202,31 @@ def encode_prompts_with_images(
         for row in rows
     ]
     return EncodedPrompts(ids, mask, token_aligned, pixel_inputs, unexpanded_ids)
+
+
+def _encode_one_prompt(
+    processor: Any, text: str, images: list[Any], special: bool, max_tokens: int | None
+) -> dict[str, torch.Tensor]:
+    """One rendered prompt encoded with its images, cut to its last ``max_tokens`` tokens if it has no image (image
+    tokens cannot be cut: a prompt with images that is too long is an error naming the fix)."""
+    encoded = processor(
+        text=[text], images=[images] if images else None, return_tensors="pt", add_special_tokens=special
+    )
+    row = {key: value for key, value in encoded.items() if torch.is_tensor(value)}
+    length = row["input_ids"].size(1)
+    if max_tokens is None or length <= max_tokens:
+        return row
+    if images:
+        raise ValueError(
+            f"A prompt with {len(images)} image(s) is {length} tokens long, more than the "
+            f"{max_tokens} prompt tokens allowed (max_prompt_length, or what the model's positions leave "
+            "beside max_completion_length); its image tokens cannot be cut. Raise max_prompt_length, or "
+            "make the images smaller (the processor's max_pixels / size)."
+        )
+    return {
+        key: value[:, -max_tokens:] if value.dim() == 2 and value.size(1) == length else value
+        for key, value in row.items()
+    }
 
 
 def _same_images(first: list[Any], second: list[Any]) -> bool:

@@ -148,16 +148,8 @@ class PolicyLogps:
         """
         selected = _selected_rows(batch, rows)
         take = (lambda value: value) if selected is None else (lambda value: value[selected])
-        image_inputs, prompt_aligned, completion_aligned = None, None, None
         pixel_inputs = batch.get("pixel_inputs")
-        if pixel_inputs is not None:  # images: the rows' pixels, and the per-token extras of prompts and completions
-            pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
-            image_inputs = collate_pixel_inputs(pixel_rows)
-            # Read by key: `batch` may be a dict copy of a record.
-            prompt_aligned, completion_aligned = (
-                {key[len(prefix) :]: take(value) for key, value in batch.items() if key.startswith(prefix)}
-                for prefix in (PROMPT_ALIGNED, COMPLETION_ALIGNED)
-            )
+        image_inputs, prompt_aligned, completion_aligned = _image_inputs(batch, selected, take)
         rows_tensors = [take(batch[key]) for key in ROW_TENSORS]
         settings = {
             "temperature": self.temperature,
@@ -294,6 +286,23 @@ def _rows_padded_only(rows_tensors: list[torch.Tensor], with_images: bool) -> st
     if with_images:
         return "the prompts have images, whose inputs are laid out along the padded rows"
     return rows_packing_problem(rows_tensors[1], rows_tensors[3])
+
+
+def _image_inputs(
+    batch: Mapping[str, Any], selected: torch.Tensor | None, take: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    """Prompts with images: the selected rows' pixels collated, and the per-token extras of prompts and completions;
+    three Nones without images."""
+    pixel_inputs = batch.get("pixel_inputs")
+    if pixel_inputs is None:
+        return None, None, None
+    pixel_rows = pixel_inputs if selected is None else [pixel_inputs[i] for i in selected.tolist()]
+    # Read by key: `batch` may be a dict copy of a record.
+    prompt_aligned, completion_aligned = (
+        {key[len(prefix) :]: take(value) for key, value in batch.items() if key.startswith(prefix)}
+        for prefix in (PROMPT_ALIGNED, COMPLETION_ALIGNED)
+    )
+    return collate_pixel_inputs(pixel_rows), prompt_aligned, completion_aligned
 
 
 def _selected_rows(batch: Mapping[str, Any], rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -67,16 +67,8 @@ class StepRunner:
         args, accelerator, sampling, sharded = context.args, context.accelerator, context.sampling, context.sharded
         model = context.model()
         unwrapped = accelerator.unwrap_model(model)
-        # Mixture-of-experts models: the router's load-balancing loss joins the loss (TRL's router_aux_loss_coef).
-        is_moe = getattr(unwrapped.config.get_text_config(decoder=True), "output_router_logits", None) is not None
         objective = build_objective(args, accelerator, group_size, local_rows)
-        loss = TrainingLoss(
-            objective,
-            args,
-            accelerator,
-            sampling.reshapes_distribution,
-            router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
-        )
+        loss = _training_loss(objective, args, accelerator, sampling, unwrapped)
         logps = PolicyLogps.for_model(
             model,
             unwrapped,
@@ -338,3 +330,18 @@ class StepRunner:
                     "rollout's old, reference or vLLM log-probs are not finite. Lower the learning rate, enable "
                     "gradient clipping (max_grad_norm) or use bf16/fp32 instead of fp16."
                 )
+
+
+def _training_loss(
+    objective: Objective, args: Any, accelerator: Accelerator, sampling: Any, model: nn.Module
+) -> TrainingLoss:
+    """The objective plus the regularisers the run switches on; a mixture-of-experts model's router loss joins it
+    (TRL's router_aux_loss_coef)."""
+    is_moe = getattr(model.config.get_text_config(decoder=True), "output_router_logits", None) is not None
+    return TrainingLoss(
+        objective,
+        args,
+        accelerator,
+        sampling.reshapes_distribution,
+        router_aux_loss=is_moe and args.router_aux_loss_coef != 0,
+    )
