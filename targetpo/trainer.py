@@ -27,13 +27,17 @@ from .config.fields import GRPOConfig, TargetPOConfig
 from .episodes.parts import EpisodeParts
 from .generation import RolloutBackend, SamplingSettings
 from .modeling.loading import PromptLimit, load_policy_and_processing, max_positions, mix_weights_into, prepare_policy
-from .objectives.registry import trains_whole_groups
+from .objectives.settings import trains_whole_groups
 from .reporting.completions import CompletionsLog
 from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
-from .rollout import RolloutContext, RolloutScheduler, RolloutScorer, rollout_source
-from .step import StepPlan, StepRunner, check_passes_supported
+from .rollout.context import RolloutContext
+from .rollout.scheduler import RolloutScheduler
+from .rollout.scoring import RolloutScorer
+from .rollout.sources import rollout_source
+from .step.plan import StepPlan, check_passes_supported
+from .step.run import StepRunner
 
 
 class TargetPOTrainer(Trainer):

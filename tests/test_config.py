@@ -5,6 +5,7 @@ import typing
 import warnings
 
 import pytest
+from conftest import make_config
 from transformers import HfArgumentParser
 
 from targetpo import GRPOConfig, TargetPOConfig
@@ -509,3 +510,54 @@ def test_a_name_close_to_no_field_keeps_the_dataclass_message(tmp_path):
     with pytest.raises(TypeError) as bare:
         TargetPOConfig.__init__(object.__new__(TargetPOConfig), zzyzx=1)
     assert str(error.value) == str(bare.value)
+
+
+#: For each of the config's combination rules (targetpo/config/rules.py), settings that break it alone, and its message.
+BROKEN_RULES = {
+    "continuous batching is not supported yet": (
+        dict(use_transformers_continuous_batching=True), r"use_transformers_paged\) is not supported yet"
+    ),
+    "a sampling regex needs vLLM": (dict(vllm_structured_outputs_regex="a+"), "constrains vLLM's sampling"),
+    "the Hub table needs the completions table": (
+        dict(log_completions_hub_repo="me/table", log_completions=False), "which log_completions=False does not build"
+    ),
+    "a synced reference needs the KL term": (dict(sync_ref_model=True, beta=0.0), "which beta=0 does not load"),
+    "importance-sampling bounds in order": (
+        dict(vllm_importance_sampling_clip_min=3.0, vllm_importance_sampling_clip_max=2.0),
+        r"vllm_importance_sampling_clip_min \(3.0\) must be >= 0 and below the upper bound \(2.0\)",
+    ),
+    "async rollouts need a vLLM server": (dict(async_rollouts=True), "generates on a vLLM server while training"),
+    "one head kernel": (dict(use_liger_kernel=True, logps_head_kernel="triton"), "with another one: choose one"),
+    "shared prompts or packed rows": (dict(share_prompt_forward=True, padding_free=True), "into one row: choose one"),
+    "shared prompts keep their activations": (
+        dict(share_prompt_forward=True, gradient_checkpointing=True), "does not keep under gradient checkpointing"
+    ),
+    "passes and the entropy ranking": (
+        dict(max_tokens_per_micro_batch=200, top_entropy_quantile=0.5), "ranks each token's entropy"
+    ),
+    "passes and layer-wise optimisers": (
+        dict(max_tokens_per_micro_batch=200, optim="adalomo"), "updates the weights inside each backward pass"
+    ),
+    "passes and the masked entropy bonus": (
+        dict(max_tokens_per_micro_batch=200, entropy_coef=0.1, off_policy_mask_threshold=0.5),
+        "which off_policy_mask_threshold decides pass by pass",
+    ),
+    "entropy coefficient bounds in order": (
+        dict(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1),
+        r"entropy_coef_min \(0.5\) must not exceed entropy_coef_max \(0.1\)",
+    ),
+    "dict fields": (dict(generation_kwargs=[1, 2]), "generation_kwargs must be a dict, got list"),
+}
+
+
+def test_every_combination_rule_has_a_case():
+    from targetpo.config.rules import RULES
+
+    assert [rule.name for rule in RULES] == list(BROKEN_RULES)
+
+
+@pytest.mark.parametrize("rule", list(BROKEN_RULES))
+def test_each_combination_rule_refuses_the_settings_that_break_it_with_its_message(tmp_path, rule):
+    settings, message = BROKEN_RULES[rule]
+    with pytest.raises(ValueError, match=message):
+        make_config(tmp_path, **settings)

@@ -9,17 +9,22 @@ import copy
 import dataclasses
 import difflib
 import functools
-import json
-import os
 import typing
-import warnings
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Annotated, Any
 
 from transformers import TrainingArguments
 
 from ..functional import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, POLICY_GRADIENT_LOSSES, SCALE_REWARDS
-from ..step.layout import BatchLayout
+from ..objectives.settings import warn_about_loss_settings
+from ..step.layout import check_eval_batch_size, resolve_batch_layout
+from .rules import (
+    SECRET_FIELDS,
+    check_combinations,
+    check_output_dir,
+    parse_json_fields,
+    warn_about_unused_vllm_settings,
+)
 
 LOSS_TYPES = ("tpo", *POLICY_GRADIENT_LOSSES)
 VLLM_MODES = ("server", "colocate")
@@ -27,31 +32,6 @@ MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_WEIGHT_TRANSFER_BACKENDS = ("auto", "nccl", "gloo")
 #: What computes the chunked output head's log-probs and entropies from its logits.
 LOGPS_HEAD_KERNELS = ("auto", "torch", "triton")
-#: Fields never shown in printed or logged configs.
-SECRET_FIELDS = ("vllm_server_api_key",)
-#: The vLLM settings only one vllm_mode reads: the server connection's, and the engine the trainer builds.
-VLLM_MODE_SETTINGS = {
-    "server": (
-        "vllm_server_base_url",
-        "vllm_server_host",
-        "vllm_server_port",
-        "vllm_server_timeout",
-        "vllm_server_api_key",
-        "vllm_weight_transfer_backend",
-    ),
-    "colocate": (
-        "vllm_gpu_memory_utilization",
-        "vllm_tensor_parallel_size",
-        "vllm_model_impl",
-        "vllm_enable_sleep_mode",
-        "vllm_max_model_length",
-    ),
-}
-VLLM_MODE_SETTINGS_WHY = {
-    "server": "the server's engine is set up by its own command line (targetpo-vllm-serve or vllm serve: "
-    "--gpu-memory-utilization, --tensor-parallel-size, --max-model-len, ...).",
-    "colocate": "the engine runs in the training processes, with no server to connect to.",
-}
 
 
 # --- Allowed values as data ---------------------------------------------------------------------------------------
@@ -825,29 +805,19 @@ class GRPOConfig(TrainingArguments):
         return super().__new__(cls)
 
     def __post_init__(self):
-        # Dict-valued fields arrive as JSON strings from the command line.
-        for name in (
-            "model_init_kwargs",
-            "generation_kwargs",
-            "chat_template_kwargs",
-            "transformers_continuous_batching_config",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                try:
-                    setattr(self, name, json.loads(value))
-                except json.JSONDecodeError as error:
-                    raise ValueError(
-                        f"`{name}` must be a dict or a JSON object string, got {value!r}: {error}"
-                    ) from error
+        parse_json_fields(self)  # dict-valued fields arrive as JSON strings from the command line
         super().__post_init__()
-        self._check_output_dir()
+        check_output_dir(self)
         self.scale_rewards = scale_rewards_name(self.scale_rewards)
         check_field_values(self)
-        self._check_combinations()
-        self._warn_about_loss_settings()
-        self._warn_about_unused_vllm_settings()
-        self._resolve_batch_layout()
+        check_combinations(self)  # the rules table (rules.py)
+        warn_about_loss_settings(self)
+        warn_about_unused_vllm_settings(self)
+        resolve_batch_layout(self)  # where the batch layout lives (step/layout.py)
+
+    def check_eval_batch_size(self) -> None:
+        """Evaluation batches, like training steps, must hold whole prompt groups."""
+        check_eval_batch_size(self)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as loggers and ``to_json_string`` record them, with the server's API key hidden."""
@@ -887,242 +857,11 @@ class GRPOConfig(TrainingArguments):
             f"{type(self).__name__}(\n" + "".join(f"{name}={value},\n" for name, value in sorted(shown.items())) + ")"
         )
 
-    def _check_output_dir(self) -> None:
-        """Refuse an output_dir that cannot be a directory (an existing file, or below one) before any work."""
-        if self.output_dir is None:
-            return
-        path = os.path.abspath(self.output_dir)
-        while not os.path.exists(path) and os.path.dirname(path) != path:
-            path = os.path.dirname(path)  # the deepest part that exists must be a directory
-        if not os.path.isdir(path):
-            raise ValueError(
-                f"output_dir={self.output_dir!r} cannot be a directory: {path!r} is an existing file. Checkpoints, logs "
-                "and the saved model go in output_dir: choose a directory path (it is created if missing)."
-            )
-
-    def _check_combinations(self) -> None:
-        """Refuse settings that need or contradict other settings (each field's own range is checked before)."""
-        if self.use_transformers_continuous_batching or self.use_transformers_paged:
-            raise ValueError(
-                "use_transformers_continuous_batching (use_transformers_paged) is not supported yet: rollouts are "
-                "generated with `model.generate` (padded batches) or vLLM. Set use_vllm=True for continuous batching."
-            )
-        if self.vllm_structured_outputs_regex is not None and not self.use_vllm:
-            raise ValueError(
-                "vllm_structured_outputs_regex constrains vLLM's sampling: set use_vllm=True (model.generate has no "
-                "regular-expression constraint)."
-            )
-        if self.log_completions_hub_repo is not None and not self.log_completions:
-            raise ValueError(
-                "log_completions_hub_repo pushes the completions table, which log_completions=False does not build: "
-                "set log_completions=True or unset log_completions_hub_repo."
-            )
-        if self.sync_ref_model and self.beta == 0:
-            raise ValueError(
-                "sync_ref_model=True updates the reference model of the KL term, which beta=0 does not load: set "
-                "beta > 0 or sync_ref_model=False."
-            )
-        low, high = self.vllm_importance_sampling_clip_min, self.importance_sampling_clip_max
-        if low is not None and not low < high:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min ({low}) must be >= 0 and below the upper bound ({high})."
-            )
-        if self.async_rollouts and not (self.use_vllm and self.vllm_mode == "server"):
-            raise ValueError(
-                "async_rollouts=True generates on a vLLM server while training goes on: set use_vllm=True and "
-                "vllm_mode='server' (or async_rollouts=False)."
-            )
-        if self.use_liger_kernel and self.logps_head_kernel == "triton":
-            raise ValueError(
-                f"use_liger_kernel=True computes the training log-probs with Liger's fused kernel, and "
-                f"logps_head_kernel={self.logps_head_kernel!r} with another one: choose one (logps_head_kernel='torch' "
-                "or 'auto' with Liger)."
-            )
-        if self.share_prompt_forward and self.padding_free:
-            raise ValueError(
-                "share_prompt_forward=True reads each prompt once for its completions, padding_free=True packs every "
-                "row's prompt and completion into one row: choose one."
-            )
-        if self.share_prompt_forward and self.gradient_checkpointing:
-            raise ValueError(
-                "share_prompt_forward=True continues the completions from the prompts' keys and values, which "
-                "transformers does not keep under gradient checkpointing: set gradient_checkpointing=False or "
-                "share_prompt_forward=False."
-            )
-        if self.max_tokens_per_micro_batch is not None:
-            # Both need all of a micro-step's tokens at once, which its passes see one part at a time.
-            bonus = self.entropy_coef != 0 or self.use_adaptive_entropy
-            if self.top_entropy_quantile < 1:
-                raise ValueError(
-                    f"max_tokens_per_micro_batch trains a micro-step in several passes, and top_entropy_quantile="
-                    f"{self.top_entropy_quantile} ranks each token's entropy against all of the micro-step's tokens at "
-                    "once. Unset one of them."
-                )
-            optim = getattr(self.optim, "value", self.optim)
-            if optim in ("lomo", "adalomo") or optim.endswith("_layerwise"):
-                raise ValueError(
-                    f"max_tokens_per_micro_batch runs several backward passes per micro-step, and optim={optim} "
-                    "updates the weights inside each backward pass. Choose another optimiser or unset "
-                    "max_tokens_per_micro_batch."
-                )
-            if bonus and self.off_policy_mask_threshold is not None:
-                raise ValueError(
-                    "max_tokens_per_micro_batch trains a micro-step in several passes, and the entropy bonus divides "
-                    "by the micro-step's trained tokens, which off_policy_mask_threshold decides pass by pass. Unset "
-                    "one of max_tokens_per_micro_batch, the entropy bonus (entropy_coef, use_adaptive_entropy) or "
-                    "off_policy_mask_threshold."
-                )
-        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
-            raise ValueError(
-                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."
-            )
-        for name in ("generation_kwargs", "model_init_kwargs"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, dict):
-                raise ValueError(f"{name} must be a dict, got {type(value).__name__}.")
-
-    def _warn_about_unused_vllm_settings(self) -> None:
-        """Name the vLLM settings the run leaves unused: every one without vLLM (e.g. a server's address with
-        use_vllm=False), and one mode's settings in the other (the colocated engine's memory share in server mode)."""
-        if not self.use_vllm:
-            names = [spec.name for spec in dataclasses.fields(self) if spec.name.startswith("vllm_") and spec.init]
-            why = "with use_vllm=False: rollouts are generated with model.generate. Set use_vllm=True to generate "
-            why += "with vLLM."
-        else:
-            other = "colocate" if self.vllm_mode == "server" else "server"
-            names = list(VLLM_MODE_SETTINGS[other])
-            why = f"with vllm_mode={self.vllm_mode!r}: {VLLM_MODE_SETTINGS_WHY[self.vllm_mode]}"
-        defaults = {spec.name: spec.default for spec in dataclasses.fields(self)}
-        unused = [
-            f"{name}={'<hidden>' if name in SECRET_FIELDS else repr(getattr(self, name))}"
-            for name in names
-            if getattr(self, name) != defaults[name]
-        ]
-        if unused:
-            warnings.warn(
-                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect {why}",
-                UserWarning,
-                stacklevel=4,
-            )
-
-    def _warn_about_loss_settings(self) -> None:
-        """Warn about loss settings that have no effect on the chosen loss, or work against it."""
-
-        def warn(message: str) -> None:
-            warnings.warn(message, UserWarning, stacklevel=5)  # at the line that built the config
-
-        loss, level, delta = self.loss_type, self.importance_sampling_level, self.delta
-        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if loss == "tpo" and (level != "token" or delta is not None):
-            warn(
-                "importance_sampling_level and delta shape the GRPO-family losses; loss_type='tpo' fits the policy to "
-                "its target q without an importance ratio, so they have no effect."
-            )
-        if loss == "luspo" and level != "sequence":
-            warn(
-                "loss_type='luspo' scales GSPO's sequence ratios: set importance_sampling_level='sequence' as LUSPO does."
-            )
-        if loss == "vespo" and level != "token":
-            warn(
-                "loss_type='vespo' builds its sequence weight from the token ratios itself; importance_sampling_level "
-                "has no effect on it. Leave it at 'token'."
-            )
-        if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            warn(
-                f"With importance_sampling_level='sequence', loss_type='{loss}' sums the sequence's loss over its "
-                "tokens, weighting each sequence by its length rather than optimising GSPO's per-sequence objective. "
-                "For GSPO use loss_type='grpo'."
-            )
-        if delta is not None and delta <= 1 + epsilon_high:
-            warn(
-                f"delta ({delta}) caps the unclipped ratio below the upper clip 1 + epsilon_high "
-                f"({1 + epsilon_high}): two-sided clipping expects delta > 1 + epsilon_high."
-            )
-        if delta is not None and loss in ("cispo", "sapo", "vespo"):
-            warn(
-                f"delta caps the clipped surrogates' ratio; loss_type='{loss}' has no such ratio, so delta has no effect."
-            )
-        if self.use_bias_correction_kl and self.beta == 0:
-            warn("use_bias_correction_kl corrects the KL term, which beta=0 switches off: it has no effect.")
-        if loss == "cispo" and self.epsilon_high is None:
-            warn(
-                f"loss_type='cispo' caps the importance weights at epsilon_high, which defaults to epsilon "
-                f"({self.epsilon}): every weight is then below 1. CISPO recommends epsilon_high=5.0."
-            )
-
     @property
     def importance_sampling_clip_max(self) -> float:
         """The importance weights' upper bound: vllm_importance_sampling_clip_max, else vllm_importance_sampling_cap."""
         clip_max = self.vllm_importance_sampling_clip_max
         return self.vllm_importance_sampling_cap if clip_max is None else clip_max
-
-    def _resolve_batch_layout(self) -> None:
-        """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""
-        world_size = self.world_size
-        step_batch = self.per_device_train_batch_size * world_size
-        if self.generation_batch_size is not None and (
-            self.generation_batch_size < 1 or self.generation_batch_size % step_batch != 0
-        ):
-            raise ValueError(
-                f"generation_batch_size ({self.generation_batch_size}) must be a positive multiple of "
-                f"per_device_train_batch_size * world_size ({self.per_device_train_batch_size} * {world_size} = "
-                f"{step_batch})."
-            )
-        if self.generation_batch_size is None:
-            if self.steps_per_generation is None:  # one rollout per optimiser step, as TRL lays batches out
-                self.steps_per_generation = self.gradient_accumulation_steps
-            self.generation_batch_size = step_batch * self.steps_per_generation
-        elif self.steps_per_generation is None:
-            self.steps_per_generation = self.generation_batch_size // step_batch
-        elif self.generation_batch_size != step_batch * self.steps_per_generation:
-            # Both set: fine when they agree (as in a copy of an already-resolved config), an error otherwise.
-            raise ValueError(
-                f"Set either generation_batch_size or steps_per_generation, not both: generation_batch_size="
-                f"{self.generation_batch_size} disagrees with steps_per_generation={self.steps_per_generation} x "
-                f"{step_batch} completions per step."
-            )
-
-        if self.generation_batch_size % self.num_generations:
-            raise ValueError(
-                f"Each rollout must hold whole prompt groups: generation_batch_size = {self.generation_batch_size} "
-                f"completions (per_device_train_batch_size {self.per_device_train_batch_size} x {world_size} "
-                f"processes x steps_per_generation {self.steps_per_generation}) is not a multiple of "
-                f"num_generations={self.num_generations}. Change per_device_train_batch_size, steps_per_generation or "
-                "num_generations so that the first divides by the second."
-            )
-        if self.loss_type == "tpo":
-            problem = BatchLayout.from_config(self, world_size).split_group_problem()
-            if problem is not None:
-                raise ValueError(
-                    f"TPO fits each prompt group's softmax at one set of weights, so the micro-steps that train a "
-                    f"group must fall within one optimiser step (whole prompt groups per optimiser step), but "
-                    f"{problem}. Set gradient_accumulation_steps to steps_per_generation x num_iterations "
-                    f"({self.steps_per_generation * self.num_iterations}) or steps_per_generation "
-                    f"({self.steps_per_generation}), or make per_device_train_batch_size a multiple of "
-                    f"num_generations ({self.num_generations})."
-                )
-        uses = self.steps_per_generation * self.num_iterations
-        accumulation = self.gradient_accumulation_steps
-        if self.async_rollouts and uses % accumulation and accumulation % uses:
-            raise ValueError(
-                f"async_rollouts=True needs each rollout to span whole optimiser steps or to fit inside one: its "
-                f"steps_per_generation x num_iterations = {uses} micro-steps and gradient_accumulation_steps = "
-                f"{accumulation} must divide one another."
-            )
-        if self.do_eval or self.eval_strategy != "no":
-            self.check_eval_batch_size()
-
-    def check_eval_batch_size(self) -> None:
-        """Evaluation batches, like training steps, must hold whole prompt groups."""
-        eval_batch = self.per_device_eval_batch_size * self.world_size
-        group = self.num_generations if self.num_generations_eval is None else self.num_generations_eval
-        name = "num_generations" if self.num_generations_eval is None else "num_generations_eval"
-        if eval_batch % group != 0:
-            raise ValueError(
-                f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
-                f"({self.per_device_eval_batch_size}) x {self.world_size} processes = {eval_batch} is not a multiple "
-                f"of {name} ({group})."
-            )
 
 
 @dataclass

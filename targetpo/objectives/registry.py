@@ -273,11 +273,6 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
 }
 
 
-def trains_whole_groups(loss_type: str) -> bool:
-    """Whether the loss is a softmax over each prompt group (TPO), so a group's rows must be trained together."""
-    return OBJECTIVES[loss_type] is TargetObjective
-
-
 def build_objective(
     args: Any, accelerator: Accelerator, group_size: Callable[[str], int], local_rows: Callable[[int], slice]
 ) -> Objective:

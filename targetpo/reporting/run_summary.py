@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..episodes.multi_turn import EnvironmentReward
+from ..objectives.settings import loss_description
 
 #: Environment variables in which launchers give a process the run's number of processes: torchrun and accelerate's
 #: multi-process launchers (WORLD_SIZE), Open MPI, MPICH/Intel MPI and MVAPICH (mpirun, accelerate's multi-CPU runs).
@@ -85,15 +86,6 @@ class RunSummary:
             "cpu_multi_process.yaml, which needs Open MPI) or `torchrun --nproc_per_node N`; on GPUs check that "
             "they are visible (CUDA_VISIBLE_DEVICES)."
         )
-
-
-def loss_description(args: Any) -> str:
-    """The loss, with η for TPO, and the KL term when beta > 0."""
-    if args.loss_type == "tpo":
-        loss = f"tpo (target temperature η = {args.tpo_target_temperature:g})"
-    else:
-        loss = f"{args.loss_type} (GRPO family)"
-    return loss if args.beta == 0 else f"{loss} + KL to the reference, β = {args.beta:g}"
 
 
 def parameter_counts(model: Any) -> tuple[int, int]:

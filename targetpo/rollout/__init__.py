@@ -1,9 +1,2 @@
 """Rollouts: where completions come from (``sources.py``), when and with which weights (``scheduler.py``), what they
 are given of the trainer (``context.py``), their prompts (``prompts.py``) and their scores (``scoring.py``)."""
-
-from .context import RolloutContext
-from .scheduler import RolloutScheduler
-from .scoring import RolloutScorer
-from .sources import rollout_source
-
-__all__ = ["RolloutContext", "RolloutScheduler", "RolloutScorer", "rollout_source"]

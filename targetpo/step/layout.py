@@ -14,6 +14,9 @@ fixed: its softmax is then known before any of its micro-steps (``split_groups.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from ..objectives.settings import trains_whole_groups
 
 
 @dataclass(frozen=True)
@@ -95,3 +98,78 @@ class BatchLayout:
                         f"optimiser steps train (gradient_accumulation_steps={steps} micro-steps each)"
                     )
         return None
+
+
+def resolve_batch_layout(config: Any) -> None:
+    """Derive generation_batch_size and steps_per_generation, and check that steps hold whole prompt groups."""
+    world_size = config.world_size
+    step_batch = config.per_device_train_batch_size * world_size
+    if config.generation_batch_size is not None and (
+        config.generation_batch_size < 1 or config.generation_batch_size % step_batch != 0
+    ):
+        raise ValueError(
+            f"generation_batch_size ({config.generation_batch_size}) must be a positive multiple of "
+            f"per_device_train_batch_size * world_size ({config.per_device_train_batch_size} * {world_size} = "
+            f"{step_batch})."
+        )
+    if config.generation_batch_size is None:
+        if config.steps_per_generation is None:  # one rollout per optimiser step, as TRL lays batches out
+            config.steps_per_generation = config.gradient_accumulation_steps
+        config.generation_batch_size = step_batch * config.steps_per_generation
+    elif config.steps_per_generation is None:
+        config.steps_per_generation = config.generation_batch_size // step_batch
+    elif config.generation_batch_size != step_batch * config.steps_per_generation:
+        # Both set: fine when they agree (as in a copy of an already-resolved config), an error otherwise.
+        raise ValueError(
+            f"Set either generation_batch_size or steps_per_generation, not both: generation_batch_size="
+            f"{config.generation_batch_size} disagrees with steps_per_generation={config.steps_per_generation} x "
+            f"{step_batch} completions per step."
+        )
+    _check_whole_groups(config, world_size)
+    if config.do_eval or config.eval_strategy != "no":
+        check_eval_batch_size(config)
+
+
+def _check_whole_groups(config: Any, world_size: int) -> None:
+    """Rollouts hold whole prompt groups; TPO's groups each fall within one optimiser step; an asynchronous rollout
+    spans whole optimiser steps or fits inside one."""
+    if config.generation_batch_size % config.num_generations:
+        raise ValueError(
+            f"Each rollout must hold whole prompt groups: generation_batch_size = {config.generation_batch_size} "
+            f"completions (per_device_train_batch_size {config.per_device_train_batch_size} x {world_size} "
+            f"processes x steps_per_generation {config.steps_per_generation}) is not a multiple of "
+            f"num_generations={config.num_generations}. Change per_device_train_batch_size, steps_per_generation or "
+            "num_generations so that the first divides by the second."
+        )
+    if trains_whole_groups(config.loss_type):
+        problem = BatchLayout.from_config(config, world_size).split_group_problem()
+        if problem is not None:
+            raise ValueError(
+                f"TPO fits each prompt group's softmax at one set of weights, so the micro-steps that train a "
+                f"group must fall within one optimiser step (whole prompt groups per optimiser step), but "
+                f"{problem}. Set gradient_accumulation_steps to steps_per_generation x num_iterations "
+                f"({config.steps_per_generation * config.num_iterations}) or steps_per_generation "
+                f"({config.steps_per_generation}), or make per_device_train_batch_size a multiple of "
+                f"num_generations ({config.num_generations})."
+            )
+    uses = config.steps_per_generation * config.num_iterations
+    accumulation = config.gradient_accumulation_steps
+    if config.async_rollouts and uses % accumulation and accumulation % uses:
+        raise ValueError(
+            f"async_rollouts=True needs each rollout to span whole optimiser steps or to fit inside one: its "
+            f"steps_per_generation x num_iterations = {uses} micro-steps and gradient_accumulation_steps = "
+            f"{accumulation} must divide one another."
+        )
+
+
+def check_eval_batch_size(config: Any) -> None:
+    """Evaluation batches, like training steps, must hold whole prompt groups."""
+    eval_batch = config.per_device_eval_batch_size * config.world_size
+    group = config.num_generations if config.num_generations_eval is None else config.num_generations_eval
+    name = "num_generations" if config.num_generations_eval is None else "num_generations_eval"
+    if eval_batch % group != 0:
+        raise ValueError(
+            f"Evaluation batches must hold whole prompt groups: per_device_eval_batch_size "
+            f"({config.per_device_eval_batch_size}) x {config.world_size} processes = {eval_batch} is not a multiple "
+            f"of {name} ({group})."
+        )
