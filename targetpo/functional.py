@@ -10,23 +10,37 @@ For one group with scores ``s``, rollout-time sequence log-probs ``l_old`` and c
 * ``q = softmax(l_old + u / eta)`` over the valid members (:func:`tpo_targets`),
 * ``loss = -sum_i q_i * log_softmax(l)_i`` averaged over groups (:func:`tpo_loss`), whose gradient with respect to
   ``l_i`` is ``(softmax(l)_i - q_i) / G``.
+
+The GRPO family is a table, :data:`POLICY_GRADIENT_FAMILY`: each loss is a per-token surrogate, a normaliser that
+turns token losses into one number, and where its clipping bites. A new one is its line there, and a function of its
+own for the piece no other loss has. Nothing here compares loss names: the functions that take a ``loss_type`` look
+it up in that table (``"tpo"``'s rows with gradient beside it).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
+    "POLICY_GRADIENT_FAMILY",
     "POLICY_GRADIENT_LOSSES",
     "SCALE_REWARDS",
+    "PolicyGradientLoss",
+    "PolicyGradientSettings",
     "RolloutDiagnostics",
     "TargetDiagnostics",
+    "advantage_rows_with_gradient",
     "aggregate_policy_loss",
+    "capped_weight_fractions",
+    "cispo_surrogate",
     "clip_fractions",
+    "clipped_ratio_fractions",
+    "clipped_surrogate",
     "decoupled_advantages",
     "group_advantages",
     "group_log_softmax",
@@ -41,23 +55,26 @@ __all__ = [
     "quantile",
     "rollout_diagnostics",
     "rows_with_gradient",
+    "sapo_surrogate",
     "scale_token_gradients",
     "sequence_logps",
+    "sequence_token_mean",
+    "sequence_token_sum",
     "token_kl",
+    "token_sum_over_count",
+    "token_sum_over_length_budget",
     "tpo_loss",
     "tpo_loss_of_members",
+    "tpo_rows_with_gradient",
     "tpo_scores",
     "tpo_target_diagnostics",
     "tpo_targets",
     "truncated_importance_weights",
+    "vespo_surrogate",
     "vespo_weights",
 ]
 
 
-#: The clipped or weighted policy-gradient losses, beside TPO's target cross-entropy (``"tpo"``).
-POLICY_GRADIENT_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-#: Losses whose sum over tokens is divided by a token count (``token_count`` in :func:`policy_gradient_loss`).
-TOKEN_NORMALIZED_LOSSES = ("bnpo", "dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 #: How vLLM's sampling log-probs correct the trainer's (:func:`importance_sampling_weights`).
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -135,25 +152,44 @@ def rows_with_gradient(
 ) -> torch.Tensor:
     """``(G * K,)`` bool: the completions whose policy-loss gradient can be non-zero; the rest may be left out.
 
-    ``scores`` are the whitened ``u`` (the advantages). For every loss an invalid member never has a gradient. For
-    the policy-gradient losses (``POLICY_GRADIENT_LOSSES``) neither has a member with ``u = 0``: each multiplies its
-    per-token loss by the advantage, so the row is 0 at any ratio. For ``"tpo"``, a group with at
-    most one valid member never does (that member holds all of ``q`` and of the policy's group softmax ``p``), and,
-    while the policy is still the one ``p_old`` was computed with (``policy_is_old``: the same weights and no
-    dropout), neither does a group whose ``u`` are all 0: its target is ``q = p_old = p``. Such rows contribute
-    nothing to the gradient, so the loss over the remaining rows (with their groups still counted in the averages)
-    has the full gradient, up to rounding.
+    ``scores`` are the whitened ``u`` (the advantages); ``loss_type`` is ``"tpo"`` (:func:`tpo_rows_with_gradient`)
+    or one of ``POLICY_GRADIENT_LOSSES`` (:func:`advantage_rows_with_gradient`). Such rows contribute nothing to the
+    gradient, so the loss over the remaining rows (with their groups still counted in the averages) has the full
+    gradient, up to rounding.
+    """
+    rows = _ROWS_WITH_GRADIENT.get(loss_type)
+    if rows is None:
+        raise ValueError(f"loss_type must be 'tpo' or one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
+    return rows(scores, num_generations, valid_mask, policy_is_old)
+
+
+def tpo_rows_with_gradient(
+    scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None, policy_is_old: bool = False
+) -> torch.Tensor:
+    """``(G * K,)`` bool: TPO's rows whose gradient can be non-zero.
+
+    Not an invalid member, nor a member of a group with at most one valid member (that member holds all of ``q`` and
+    of the policy's group softmax ``p``), nor, while the policy is still the one ``p_old`` was computed with
+    (``policy_is_old``: the same weights and no dropout), a member of a group whose ``u`` are all 0: its target is
+    ``q = p_old = p``.
     """
     u = _group(_as_float(scores), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
-    if loss_type in POLICY_GRADIENT_LOSSES:
-        return (valid & (u != 0)).reshape(-1)
-    if loss_type != "tpo":
-        raise ValueError(f"loss_type must be 'tpo' or one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
     live = valid.sum(dim=-1, keepdim=True) >= 2
     if policy_is_old:
         live = live & (valid & (u != 0)).any(dim=-1, keepdim=True)
     return (valid & live).reshape(-1)
+
+
+def advantage_rows_with_gradient(
+    scores: torch.Tensor, num_generations: int, valid_mask: torch.Tensor | None = None, policy_is_old: bool = False
+) -> torch.Tensor:
+    """``(G * K,)`` bool: the rows with gradient of a loss that multiplies each row by its advantage (the GRPO
+    family): the valid members with ``u != 0``, at any ratio, so whether the policy has moved (``policy_is_old``)
+    does not matter."""
+    u = _group(_as_float(scores), num_generations, "scores")
+    valid = _group_valid(valid_mask, scores, num_generations)
+    return (valid & (u != 0)).reshape(-1)
 
 
 def _deviations_from_group_mean(grouped: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,12 +539,206 @@ def vespo_weights(
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+class PolicyGradientSettings(NamedTuple):
+    """What shapes a GRPO-family surrogate; each loss reads the settings it has (the defaults are TRL's)."""
+
+    importance_sampling_level: str = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon_low
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_parameters: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
+
+    @property
+    def upper_epsilon(self) -> float:
+        """``epsilon_high``, or ``epsilon_low`` when it is not set."""
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+
+def _advantage_column(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``(B, 1)`` detached advantages in ``like``'s dtype, to multiply token losses by."""
+    return advantages.detach().to(like.dtype).unsqueeze(-1)
+
+
+def clipped_surrogate(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    settings: PolicyGradientSettings,
+) -> torch.Tensor:
+    """``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` per token (or per sequence); with ``delta`` the unclipped
+    ``r`` is also capped at ``delta`` (two-sided clipping)."""
+    level = settings.importance_sampling_level
+    ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, level)
+    advantage = _advantage_column(advantages, per_token_logps)
+    clipped = ratio.clamp(1 - settings.epsilon_low, 1 + settings.upper_epsilon)
+    if settings.delta is not None:
+        ratio = ratio.clamp(max=settings.delta)
+    return -torch.minimum(ratio * advantage, clipped * advantage)
+
+
+def cispo_surrogate(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    settings: PolicyGradientSettings,
+) -> torch.Tensor:
+    """``-sg(min(r, eps_high)) A log p``: the clipped ratio is a constant weight on the log-prob."""
+    level = settings.importance_sampling_level
+    ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, level)
+    advantage = _advantage_column(advantages, per_token_logps)
+    return -ratio.clamp(max=settings.upper_epsilon).detach() * advantage * per_token_logps
+
+
+def sapo_surrogate(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    settings: PolicyGradientSettings,
+) -> torch.Tensor:
+    """``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau`` by the sign of ``A``: a soft gate, slope 1 at ``r = 1``."""
+    level = settings.importance_sampling_level
+    ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, level)
+    advantage = _advantage_column(advantages, per_token_logps)
+    positive, negative = settings.sapo_temperature_pos, settings.sapo_temperature_neg
+    temperature = torch.where(advantage > 0, positive, negative).to(ratio.dtype)
+    return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantage
+
+
+def vespo_surrogate(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    settings: PolicyGradientSettings,
+) -> torch.Tensor:
+    """``-phi(w) A log p`` with :func:`vespo_weights`; its ratio is always the whole sequence's, whatever
+    ``importance_sampling_level`` says."""
+    token_log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, "token")
+    phi = vespo_weights(token_log_ratio, advantages, completion_mask, *settings.vespo_parameters)
+    return -phi * _advantage_column(advantages, per_token_logps) * per_token_logps
+
+
+def sequence_token_mean(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    max_completion_length: int | None = None,
+    token_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The token mean of each sequence, averaged over sequences (grpo, sapo)."""
+    return (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).mean()
+
+
+def token_sum_over_count(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    max_completion_length: int | None = None,
+    token_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sum over every token divided by ``token_count`` (default: the batch's token count); a trainer passes the
+    global token count it wants each token weighted by (bnpo, dapo, cispo, vespo)."""
+    count = mask.sum() if token_count is None else token_count
+    return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device).clamp(min=1)
+
+
+def token_sum_over_length_budget(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    max_completion_length: int | None = None,
+    token_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sum over every token divided by ``B * max_completion_length``, a constant (dr_grpo)."""
+    if max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass it.")
+    return per_token.sum() / (per_token.size(0) * max_completion_length)
+
+
+def sequence_token_sum(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    max_completion_length: int | None = None,
+    token_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sequence's token sum (its mean scaled by its length), averaged over sequences (luspo)."""
+    return per_token.sum(dim=-1).mean()
+
+
+def clipped_ratio_fractions(
+    ratio: torch.Tensor, advantage: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, torch.Tensor]:
+    """Where a clipped surrogate's clip bites: ``low`` (``r < 1 - eps_low`` with ``A < 0``), ``high``
+    (``r > 1 + eps_high`` with ``A > 0``) and ``region`` (either)."""
+    low = (ratio < 1 - epsilon_low) & (advantage < 0)
+    high = (ratio > 1 + epsilon_high) & (advantage > 0)
+    return {"low": low.float(), "high": high.float(), "region": (low | high).float()}
+
+
+def capped_weight_fractions(
+    ratio: torch.Tensor, advantage: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, torch.Tensor]:
+    """Where CISPO's cap on the weight bites: ``high`` (``r > eps_high`` with ``A > 0``)."""
+    return {"high": ((ratio > epsilon_high) & (advantage > 0)).float()}
+
+
+#: (per_token_logps, old_per_token_logps, advantages, completion_mask, settings) -> token losses, as
+#: :func:`clipped_surrogate`.
+Surrogate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyGradientSettings], torch.Tensor]
+#: (masked token losses, mask, max_completion_length, token_count) -> the loss, as :func:`sequence_token_mean`.
+Normaliser = Callable[[torch.Tensor, torch.Tensor, int | None, float | torch.Tensor | None], torch.Tensor]
+#: (ratio, advantage, epsilon_low, epsilon_high) -> indicators by name, as :func:`clipped_ratio_fractions`.
+ClipIndicators = Callable[[torch.Tensor, torch.Tensor, float, float], dict[str, torch.Tensor]]
+
+
+class PolicyGradientLoss(NamedTuple):
+    """One GRPO-family loss as its pieces: the per-token loss, how the token losses become one number, and where its
+    clipping bites (None: it has no clip to measure)."""
+
+    surrogate: Surrogate
+    normaliser: Normaliser
+    clipping: ClipIndicators | None = None
+
+
+#: The GRPO family under TRL's names, each loss's pieces. The functions below that take a ``loss_type`` take a name
+#: of this table or the pieces themselves (as the trainer's objectives pass them).
+POLICY_GRADIENT_FAMILY: dict[str, PolicyGradientLoss] = {
+    "grpo": PolicyGradientLoss(clipped_surrogate, sequence_token_mean, clipped_ratio_fractions),
+    "dapo": PolicyGradientLoss(clipped_surrogate, token_sum_over_count, clipped_ratio_fractions),
+    "dr_grpo": PolicyGradientLoss(clipped_surrogate, token_sum_over_length_budget, clipped_ratio_fractions),
+    "bnpo": PolicyGradientLoss(clipped_surrogate, token_sum_over_count, clipped_ratio_fractions),
+    "cispo": PolicyGradientLoss(cispo_surrogate, token_sum_over_count, capped_weight_fractions),
+    "sapo": PolicyGradientLoss(sapo_surrogate, sequence_token_mean),
+    "luspo": PolicyGradientLoss(clipped_surrogate, sequence_token_sum, clipped_ratio_fractions),
+    "vespo": PolicyGradientLoss(vespo_surrogate, token_sum_over_count),
+}
+#: The clipped or weighted policy-gradient losses, beside TPO's target cross-entropy (``"tpo"``).
+POLICY_GRADIENT_LOSSES = tuple(POLICY_GRADIENT_FAMILY)
+#: Each loss's rows with gradient (:func:`rows_with_gradient`).
+_ROWS_WITH_GRADIENT = {
+    "tpo": tpo_rows_with_gradient,
+    **dict.fromkeys(POLICY_GRADIENT_LOSSES, advantage_rows_with_gradient),
+}
+
+
+def _family_member(loss_type: str | PolicyGradientLoss) -> PolicyGradientLoss:
+    """The pieces of a GRPO-family loss given by name or already as its pieces."""
+    if isinstance(loss_type, PolicyGradientLoss):
+        return loss_type
+    member = POLICY_GRADIENT_FAMILY.get(loss_type)
+    if member is None:
+        raise ValueError(f"loss_type must be one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
+    return member
+
+
 def policy_gradient_token_losses(
     per_token_logps: torch.Tensor,
     old_per_token_logps: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
-    loss_type: str = "grpo",
+    loss_type: str | PolicyGradientLoss = "grpo",
     importance_sampling_level: str = "token",
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
@@ -522,35 +752,28 @@ def policy_gradient_token_losses(
     With ``r`` the importance ratio (token or sequence, :func:`log_importance_ratios`) and ``A`` the advantage:
 
     * ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ``luspo``: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``;
-      with ``delta`` the unclipped ``r`` is also capped at ``delta`` (two-sided clipping);
+      with ``delta`` the unclipped ``r`` is also capped at ``delta`` (two-sided clipping) (:func:`clipped_surrogate`);
     * ``cispo``: ``-sg(min(r, eps_high)) A log p``: the clipped ratio is a constant weight on the log-prob;
     * ``sapo``: ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau`` by the sign of ``A`` (a soft gate, slope 1 at r = 1);
     * ``vespo``: ``-phi(w) A log p`` with :func:`vespo_weights` (its ratio is always the whole sequence's).
     """
-    if loss_type not in POLICY_GRADIENT_LOSSES:
-        raise ValueError(f"loss_type must be one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    advantage = advantages.detach().to(per_token_logps.dtype).unsqueeze(-1)
-    if loss_type == "vespo":
-        token_log_ratio = log_importance_ratios(per_token_logps, old_per_token_logps, completion_mask, "token")
-        phi = vespo_weights(token_log_ratio, advantages, completion_mask, *vespo_parameters)
-        return -phi * advantage * per_token_logps
-    ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
-    if loss_type == "cispo":
-        return -ratio.clamp(max=epsilon_high).detach() * advantage * per_token_logps
-    if loss_type == "sapo":
-        temperature = torch.where(advantage > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
-        return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantage
-    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-    if delta is not None:
-        ratio = ratio.clamp(max=delta)
-    return -torch.minimum(ratio * advantage, clipped * advantage)
+    surrogate = _family_member(loss_type).surrogate
+    settings = PolicyGradientSettings(
+        importance_sampling_level,
+        epsilon_low,
+        epsilon_high,
+        delta,
+        sapo_temperature_pos,
+        sapo_temperature_neg,
+        vespo_parameters,
+    )
+    return surrogate(per_token_logps, old_per_token_logps, advantages, completion_mask, settings)
 
 
 def aggregate_policy_loss(
     token_losses: torch.Tensor,
     completion_mask: torch.Tensor,
-    loss_type: str = "grpo",
+    loss_type: str | PolicyGradientLoss = "grpo",
     max_completion_length: int | None = None,
     token_count: float | torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
@@ -568,23 +791,13 @@ def aggregate_policy_loss(
 
     A sequence-level ``(B, 1)`` loss counts once per token of its sequence. A sequence with an empty mask gives 0.
     """
+    normaliser = _family_member(loss_type).normaliser
     mask = completion_mask.to(token_losses.dtype)
     if token_weights is not None:
         token_losses = token_losses * token_weights.detach().to(token_losses.dtype)
     per_token = token_losses.expand_as(mask) * mask
     per_token = torch.where(completion_mask.bool(), per_token, torch.zeros_like(per_token))  # no 0 * inf = NaN
-    if loss_type in ("grpo", "sapo"):
-        return (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).mean()
-    if loss_type in TOKEN_NORMALIZED_LOSSES:
-        count = mask.sum() if token_count is None else token_count
-        return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device).clamp(min=1)
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass it.")
-        return per_token.sum() / (per_token.size(0) * max_completion_length)
-    if loss_type == "luspo":
-        return per_token.sum(dim=-1).mean()
-    raise ValueError(f"loss_type must be one of {POLICY_GRADIENT_LOSSES}, got {loss_type!r}.")
+    return normaliser(per_token, mask, max_completion_length, token_count)
 
 
 def policy_gradient_loss(
@@ -592,7 +805,7 @@ def policy_gradient_loss(
     old_per_token_logps: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
-    loss_type: str = "grpo",
+    loss_type: str | PolicyGradientLoss = "grpo",
     max_completion_length: int | None = None,
     token_count: float | torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
@@ -636,7 +849,7 @@ def clip_fractions(
     old_per_token_logps: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
-    loss_type: str = "grpo",
+    loss_type: str | PolicyGradientLoss = "grpo",
     importance_sampling_level: str = "token",
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
@@ -647,16 +860,12 @@ def clip_fractions(
     and ``region`` (either); ``cispo``: ``high`` where ``r > eps_high`` with ``A > 0``. Other losses: none.
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    if loss_type not in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo"):
+    member = loss_type if isinstance(loss_type, PolicyGradientLoss) else POLICY_GRADIENT_FAMILY.get(loss_type)
+    if member is None or member.clipping is None:
         return {}
     ratio = _importance_ratios(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level)
     ratio = ratio.detach().expand_as(per_token_logps)
-    advantage = advantages.detach().reshape(-1, 1)
-    if loss_type == "cispo":
-        return {"high": ((ratio > epsilon_high) & (advantage > 0)).float()}
-    low = (ratio < 1 - epsilon_low) & (advantage < 0)
-    high = (ratio > 1 + epsilon_high) & (advantage > 0)
-    return {"low": low.float(), "high": high.float(), "region": (low | high).float()}
+    return member.clipping(ratio, advantages.detach().reshape(-1, 1), epsilon_low, epsilon_high)
 
 
 def truncated_importance_weights(

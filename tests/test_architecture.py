@@ -71,8 +71,6 @@ LAYERS = [module for floor in FLOORS.values() for module in floor]
 #: The sizes the house keeps (lines, def or class line to last line, docstrings included).
 TRAINER_FILE_LINES, TRAINER_CLASS_LINES, FUNCTION_LINES, CLASS_LINES, CONFIG_METHOD_LINES = 500, 450, 60, 450, 120
 CONFIG_CLASSES = {"GRPOConfig", "TargetPOConfig"}
-#: Loss-name comparisons left in functional.py's public functions that take a ``loss_type`` (to fall to 0).
-FUNCTIONAL_LOSS_DISPATCH = 12
 
 
 def module_name(path: Path) -> str:
@@ -180,9 +178,9 @@ def test_the_config_classes_declare_more_than_they_compute():
     assert methods <= CONFIG_METHOD_LINES
 
 
-def test_no_loss_name_is_compared_outside_the_objectives_but_in_the_maths_public_functions():
-    """Loss knowledge lives in objectives/. functional.py's public functions that take a ``loss_type`` still dispatch on
-    it (their count may only fall); no other module compares a loss name."""
+def test_no_loss_name_is_compared_outside_the_objectives():
+    """Loss knowledge lives in objectives/: the math's public functions that take a ``loss_type`` look it up in
+    ``functional.POLICY_GRADIENT_FAMILY``, a table of each loss's pieces, and compare no name."""
     names = "|".join(LOSS_TYPES)
     pattern = re.compile(rf"loss_type\s*(==|!=|in\b|not in\b)|[=!]=\s*[\"']({names})[\"']|[\"']({names})[\"']\s*[=!]=")
     found = {
@@ -190,4 +188,4 @@ def test_no_loss_name_is_compared_outside_the_objectives_but_in_the_maths_public
         for module, source in sources().items()
         if not module.startswith("objectives.") and pattern.search(source)
     }
-    assert set(found) <= {"functional"} and found.get("functional", 0) <= FUNCTIONAL_LOSS_DISPATCH
+    assert found == {}

@@ -66,9 +66,12 @@ class Objective:
         steps = self.args.steps_per_generation if mode == "train" else 1
         return tokens / (steps * self.accelerator.num_processes)
 
-    def rows_with_gradient(self, advantages_all: torch.Tensor, valid_all: torch.Tensor, policy_is_old: bool):
-        """The rollout's rows (every process's) whose gradient can be non-zero (``F.rows_with_gradient``)."""
-        return F.rows_with_gradient(advantages_all, self.args.num_generations, valid_all, self.name, policy_is_old)
+    def rows_with_gradient(
+        self, advantages_all: torch.Tensor, valid_all: torch.Tensor, policy_is_old: bool
+    ) -> torch.Tensor:
+        """The rollout's rows (every process's) whose gradient can be non-zero; ``policy_is_old``: the policy is
+        still the one that sampled them (the same weights and no dropout)."""
+        raise NotImplementedError
 
     def targets_at_rollout(
         self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
@@ -99,6 +102,11 @@ class Objective:
 
 class TargetObjective(Objective):
     """TPO: the cross-entropy to the target q over whole groups (``F.tpo_loss``)."""
+
+    def rows_with_gradient(
+        self, advantages_all: torch.Tensor, valid_all: torch.Tensor, policy_is_old: bool
+    ) -> torch.Tensor:
+        return F.tpo_rows_with_gradient(advantages_all, self.args.num_generations, valid_all, policy_is_old)
 
     def targets_at_rollout(
         self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
@@ -177,11 +185,13 @@ class TargetObjective(Objective):
 
 
 class PolicyGradientObjective(Objective):
-    """A GRPO-family loss (``F.policy_gradient_loss``), and where its clipping bites."""
+    """A GRPO-family loss (its pieces in ``F.POLICY_GRADIENT_FAMILY``, reduced by ``F.policy_gradient_loss``), and
+    where its clipping bites."""
 
     def __init__(self, *args: Any, token_count: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.token_count = token_count
+        self.pieces = F.POLICY_GRADIENT_FAMILY[self.name]
         config = self.args
         self.ratio_level = config.importance_sampling_level
         self.settings = {
@@ -207,7 +217,7 @@ class PolicyGradientObjective(Objective):
             old,
             batch.advantages,
             mask,
-            self.name,
+            self.pieces,
             max_completion_length=args.max_completion_length,
             token_count=self._loss_token_count(batch),
             token_weights=token_weights,
@@ -218,12 +228,17 @@ class PolicyGradientObjective(Objective):
             old,
             batch.advantages,
             mask,
-            self.name,
+            self.pieces,
             self.ratio_level,
             args.epsilon,
             args.epsilon_high,
         )
         return ObjectiveResult(loss, None, self._clip_means(fractions), self._clip_extremes(fractions))
+
+    def rows_with_gradient(
+        self, advantages_all: torch.Tensor, valid_all: torch.Tensor, policy_is_old: bool
+    ) -> torch.Tensor:
+        return F.advantage_rows_with_gradient(advantages_all, self.args.num_generations, valid_all, policy_is_old)
 
     def _loss_token_count(self, batch: RolloutBatch) -> torch.Tensor | float | None:
         if self.token_count == "batch":
