@@ -32,8 +32,9 @@ from machine import MODEL_SIZES, add_quiet_arguments, environment, report, run_w
 from scripted_policies import place_tokens  # noqa: E402
 
 from targetpo.demo import GUESS_DIGITS, build_tiny_causal_lm, guessing_tokenizer  # noqa: E402
+from targetpo.episodes.chat_template import ConversationTemplate  # noqa: E402
 from targetpo.episodes.multi_turn import ToolLoop, left_pad  # noqa: E402
-from targetpo.episodes.tools import ConversationTemplate, Toolbox, environment_tools  # noqa: E402
+from targetpo.episodes.tools import Toolbox, environment_tools  # noqa: E402
 from targetpo.generation import SamplingSettings, TransformersBackend  # noqa: E402
 
 MODELS = {name: MODEL_SIZES[name] for name in ("demo", "small", "medium")}

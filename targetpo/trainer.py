@@ -24,6 +24,7 @@ from .batch import StepBatch
 from .callbacks import CheckpointExtras, OnOptimizerStep, check_sync_ref_model
 from .config import preflight
 from .config.fields import GRPOConfig, TargetPOConfig
+from .episodes import environments
 from .episodes.parts import EpisodeParts
 from .generation import RolloutBackend, SamplingSettings
 from .modeling.loading import PromptLimit, load_policy_and_processing, max_positions, mix_weights_into, prepare_policy
@@ -284,7 +285,9 @@ class TargetPOTrainer(Trainer):
 
     def get_train_dataloader(self):
         if self.train_dataset is None:  # the environment makes up the prompts (or the trainer says what is missing)
-            self.train_dataset = preflight.prompts_from_environments(self.args, self._environments)
+            preflight.check_train_prompts(self.args, None, self._environments)
+            prompts_per_rollout = self.args.generation_batch_size // self.args.num_generations
+            self.train_dataset = environments.prompts_from_environments(prompts_per_rollout)
         # Each process's batch is its whole share of a rollout; the sampler repeats it for every micro-step it
         # serves, tagging each repeat, and `_prepare_inputs` hands out one step batch at a time. A stream is read in
         # order and repeated the same way as it arrives.

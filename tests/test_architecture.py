@@ -15,15 +15,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "targetpo"
 # docs/architecture.md's floors, from the ground up; within a floor, a module may import those listed before it.
 # A package's __init__ comes after the modules it gathers.
 FLOORS = {
-    "the record and the math": ["functional", "batch", "objectives.settings"],
-    "settings": ["step.layout", "config.rules", "config.fields", "config"],
+    "the record and the math": ["functional", "batch"],
+    "settings": ["objectives.settings", "step.layout", "config.rules", "config.fields", "config"],
     "parts": [
         "objectives.regularisers",
         "callbacks",
         "generation.base",
         "modeling.vision",
         "data",
+        "episodes.async_runner",
         "episodes.tools",
+        "episodes.chat_template",
         "generation.sampling",
         "generation.server_auth",
         "generation.kv_cache",
@@ -35,6 +37,7 @@ FLOORS = {
         "generation.vllm_server",
         "generation",
         "generation.serve",
+        "episodes.environments",
         "episodes.multi_turn",
         "episodes.parts",
         "episodes",

@@ -24,8 +24,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from targetpo import TargetPOTrainer
 from targetpo.demo import PRINTABLE, GuessingGame, build_char_tokenizer, guessing_dataset
+from targetpo.episodes.chat_template import ConversationTemplate
 from targetpo.episodes.multi_turn import ToolLoop
-from targetpo.episodes.tools import ConversationTemplate, Toolbox
+from targetpo.episodes.tools import Toolbox
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
 QWEN3_SPECIAL_TOKENS = [

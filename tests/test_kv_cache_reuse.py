@@ -16,8 +16,9 @@ from scripted_policies import place_tokens
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from targetpo.demo import GUESS_DIGITS, build_tiny_causal_lm, digits_only_generation_kwargs, guessing_tokenizer
+from targetpo.episodes.chat_template import ConversationTemplate
 from targetpo.episodes.multi_turn import ToolLoop, left_pad
-from targetpo.episodes.tools import ConversationTemplate, Toolbox, environment_tools
+from targetpo.episodes.tools import Toolbox, environment_tools
 from targetpo.generation import SamplingSettings, TransformersBackend
 from targetpo.modeling.logps import completion_logps
 

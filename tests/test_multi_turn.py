@@ -36,15 +36,10 @@ from targetpo.demo import (
     lock_dataset,
     lock_tokenizer,
 )
+from targetpo.episodes.async_runner import ToolCallLimits
+from targetpo.episodes.chat_template import HERMES_FIELDS, ConversationTemplate, response_template
 from targetpo.episodes.multi_turn import ToolLoop
-from targetpo.episodes.tools import (
-    HERMES_FIELDS,
-    ConversationTemplate,
-    Toolbox,
-    ToolCallLimits,
-    environment_tools,
-    response_template,
-)
+from targetpo.episodes.tools import Toolbox, environment_tools
 from targetpo.generation import SamplingSettings, TransformersBackend
 
 #: A Hermes-style template on the character tokenizer: calls are JSON inside <tool_call> tags (the library's fallback

@@ -17,8 +17,8 @@ from rich.console import Console
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from targetpo import TargetPOTrainer
-from targetpo.episodes.multi_turn import EnvironmentReward
-from targetpo.episodes.tools import AsyncRunner
+from targetpo.episodes.async_runner import AsyncRunner
+from targetpo.episodes.environments import EnvironmentReward
 from targetpo.generation import RolloutBackend
 from targetpo.reporting.run_summary import (
     WORLD_SIZE_VARIABLES,

@@ -471,7 +471,8 @@ def tool_calling_vlm(tmp_path, architecture, model, processor, environment=False
 
 
 def test_an_image_returned_by_a_tool_fails_the_call_of_a_text_only_policy_rather_than_reaching_it_as_text():
-    from targetpo.episodes.tools import AsyncRunner, Toolbox, run_tool_calls
+    from targetpo.episodes.async_runner import AsyncRunner
+    from targetpo.episodes.tools import Toolbox, run_tool_calls
 
     results = {"photo": random_image(0), "photos": [random_image(1)], "part": {"type": "image_url", "url": "x"},
                "text": {"colour": "red"}}
@@ -504,7 +505,8 @@ def test_an_image_returned_by_a_tool_fails_the_call_of_a_text_only_policy_rather
 
 
 def test_a_vision_language_policys_tool_results_become_content_parts_and_an_image_without_pixels_is_an_error():
-    from targetpo.episodes.tools import AsyncRunner, Toolbox, run_tool_calls
+    from targetpo.episodes.async_runner import AsyncRunner
+    from targetpo.episodes.tools import Toolbox, run_tool_calls
 
     photo, other = random_image(0), random_image(1)
     results = {"photo": photo, "mixed": ["Here:", other, {"n": 1}],

@@ -8,10 +8,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from datasets import Dataset
-
 from ..data import check_streaming_supported, column_values, first_row, is_stream, validate_prompt_dataset
-from ..episodes.multi_turn import ENVIRONMENT_COLUMN, EnvironmentPool, empty_prompt
+from ..episodes.environments import ENVIRONMENT_COLUMN, EnvironmentPool
 from ..modeling.loading import model_identifier
 from ..modeling.logps import require_liger, require_triton
 from ..modeling.vision import IMAGE_COLUMNS
@@ -181,12 +179,3 @@ def check_train_prompts(args: TargetPOConfig, train_dataset: Any, environments: 
             "No train_dataset: the environment makes up each prompt in reset(), so no dataset sets how long to "
             "train. Set max_steps to the number of optimiser steps."
         )
-
-
-def prompts_from_environments(args: TargetPOConfig, environments: EnvironmentPool | None) -> Dataset:
-    """The train dataset when the environment makes up each prompt in ``reset()``: one rollout's worth of empty user
-    messages, read again for every rollout, with ``max_steps`` setting the run's length. Refused where that cannot
-    be (:func:`check_train_prompts`)."""
-    check_train_prompts(args, None, environments)
-    prompts_per_rollout = args.generation_batch_size // args.num_generations
-    return Dataset.from_dict({"prompt": [empty_prompt() for _ in range(prompts_per_rollout)]})

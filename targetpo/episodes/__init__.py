@@ -1,2 +1,2 @@
-"""Multi-turn episodes: tools and the chat template between turns (``tools.py``), environments and the loop of turns
-(``multi_turn.py``)."""
+"""Multi-turn episodes: tools and how their calls run (``tools.py``, ``async_runner.py``), the chat template between
+turns (``chat_template.py``), environments (``environments.py``) and the loop of turns (``multi_turn.py``)."""

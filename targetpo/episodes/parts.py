@@ -7,8 +7,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .multi_turn import EnvironmentPool, check_multi_turn_arguments, with_environment_rewards
-from .tools import AsyncRunner, Toolbox
+from .async_runner import AsyncRunner
+from .environments import EnvironmentPool, with_environment_rewards
+from .multi_turn import check_multi_turn_arguments
+from .tools import Toolbox
 
 
 @dataclass

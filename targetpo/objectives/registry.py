@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from .. import functional as F
-from ..batch import RolloutBatch, StepCache
+from ..batch import StepBatch, StepCache
 from ..distributed import all_gather_with_grad, groups_span_processes
 from ..step.forward import TokenLogps
 from ..step.token_budget import joined_by_rows
@@ -74,12 +74,12 @@ class Objective:
         raise NotImplementedError
 
     def targets_at_rollout(
-        self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
+        self, batch: StepBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
     ) -> torch.Tensor | None:
         """A target built at rollout from the old log-probs, for the batch's cache; None: the objective has none."""
         return None
 
-    def entropy_token_count(self, batch: RolloutBatch, tokens: torch.Tensor) -> torch.Tensor | float:
+    def entropy_token_count(self, batch: StepBatch, tokens: torch.Tensor) -> torch.Tensor | float:
         """What the entropy bonus divides its entropy sum by: the loss's own token count, so that over an optimiser
         step it adds up to the step's mean entropy as the loss does."""
         if self.token_count == "rollout":
@@ -89,7 +89,7 @@ class Objective:
     def loss(
         self,
         per_token_logps: torch.Tensor,
-        batch: RolloutBatch,
+        batch: StepBatch,
         mask: torch.Tensor,
         valid: torch.Tensor,
         mode: str,
@@ -109,7 +109,7 @@ class TargetObjective(Objective):
         return F.tpo_rows_with_gradient(advantages_all, self.args.num_generations, valid_all, policy_is_old)
 
     def targets_at_rollout(
-        self, batch: RolloutBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
+        self, batch: StepBatch, advantages_all: torch.Tensor, valid_all: torch.Tensor
     ) -> torch.Tensor | None:
         """q from the old log-probs, when the rollout has them (the weights move before it is trained on)."""
         if batch.old_per_token_logps is None or batch.old_logps_from_first_use is not None:
@@ -118,7 +118,7 @@ class TargetObjective(Objective):
         return targets_all[self.local_rows(len(batch))]
 
     def _targets_from_old_logps(
-        self, batch: RolloutBatch, advantages: torch.Tensor, valid: torch.Tensor, gather: Callable
+        self, batch: StepBatch, advantages: torch.Tensor, valid: torch.Tensor, gather: Callable
     ) -> torch.Tensor:
         """q from the rollout's old log-probs, ``gather`` putting every process's rows together (or leaving them)."""
         args = self.args
@@ -133,7 +133,7 @@ class TargetObjective(Objective):
         return self.cross_entropy_to_targets(per_token_logps, batch, mask, valid, mode)
 
     def cross_entropy_of_members(
-        self, per_token_logps: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
+        self, per_token_logps: torch.Tensor, batch: StepBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
     ) -> ObjectiveResult:
         """The step batch's part of the cross-entropy of groups split over micro-steps, from their softmax at the
         current weights (``split_groups.py``); q was built at rollout. Per micro-step it is divided by the groups the
@@ -144,7 +144,7 @@ class TargetObjective(Objective):
         return ObjectiveResult(loss, None, {}, {})
 
     def cross_entropy_to_targets(
-        self, per_token_logps: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
+        self, per_token_logps: torch.Tensor, batch: StepBatch, mask: torch.Tensor, valid: torch.Tensor, mode: str
     ) -> ObjectiveResult:
         """Cross-entropy to q over whole groups, gathering the step batch when its groups span processes; q is built
         from the current (detached) log-probs when the batch holds none yet."""
@@ -240,7 +240,7 @@ class PolicyGradientObjective(Objective):
     ) -> torch.Tensor:
         return F.advantage_rows_with_gradient(advantages_all, self.args.num_generations, valid_all, policy_is_old)
 
-    def _loss_token_count(self, batch: RolloutBatch) -> torch.Tensor | float | None:
+    def _loss_token_count(self, batch: StepBatch) -> torch.Tensor | float | None:
         if self.token_count == "batch":
             return batch.completion_mask.sum()  # the local batch's, rows left out of this pass included
         return batch.loss_token_count  # fixed at rollout; None (unused) for the losses that need no count
@@ -396,7 +396,7 @@ class TrainingLoss:
     def __call__(
         self,
         logps: TokenLogps,
-        batch: RolloutBatch,
+        batch: StepBatch,
         mask: torch.Tensor,
         valid: torch.Tensor,
         mode: str,

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from .. import functional as F
-from ..batch import RolloutBatch
+from ..batch import StepBatch
 
 
 class KLPenalty:
@@ -28,7 +28,7 @@ class KLPenalty:
     def __call__(
         self,
         per_token_logps: torch.Tensor,
-        batch: RolloutBatch,
+        batch: StepBatch,
         mask: torch.Tensor,
         token_count: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -102,7 +102,7 @@ class TokenFilter:
         return self.top_entropy_quantile < 1 or self.off_policy_threshold is not None
 
     def __call__(
-        self, per_token_logps: torch.Tensor, entropies: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor
+        self, per_token_logps: torch.Tensor, entropies: torch.Tensor, batch: StepBatch, mask: torch.Tensor
     ) -> torch.Tensor | None:
         """The weights; None: every token trains."""
         weights = None
@@ -143,7 +143,7 @@ class ImportanceWeights:
         self.clip_min = args.vllm_importance_sampling_clip_min
         self.clip_max = args.importance_sampling_clip_max
 
-    def build(self, per_token_logps: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor) -> BuiltImportanceWeights:
+    def build(self, per_token_logps: torch.Tensor, batch: StepBatch, mask: torch.Tensor) -> BuiltImportanceWeights:
         """The weights, built once per step batch and kept by the caller for its later uses.
 
         The trainer's side is its own rollout-time log-probs, the same ones ``p_old`` (and so ``q``) is built from.

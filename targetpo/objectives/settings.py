@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .. import functional as F
+
 #: The loss whose objective is the cross-entropy to the target q over whole groups.
 TARGET_LOSS = "tpo"
 
@@ -63,10 +65,17 @@ def _cispo_warnings(args: Any) -> list[str]:
 
 
 #: The losses that sum a sequence's token losses and divide by a token count: a sequence-level ratio then weights
-#: each sequence by its length.
-_SUMMED_OVER_TOKENS = ("bnpo", "dr_grpo", "dapo", "cispo")
+#: each sequence by its length (VESPO aside: it builds its sequence weight itself, and its own warning says so).
+_SUMMED_OVER_TOKENS = tuple(
+    name
+    for name, loss in F.POLICY_GRADIENT_FAMILY.items()
+    if loss.normaliser in (F.token_sum_over_count, F.token_sum_over_length_budget)
+    and loss.surrogate is not F.vespo_surrogate
+)
 #: The losses without a clipped ratio for delta to cap.
-_WITHOUT_CLIPPED_RATIO = ("cispo", "sapo", "vespo")
+_WITHOUT_CLIPPED_RATIO = tuple(
+    name for name, loss in F.POLICY_GRADIENT_FAMILY.items() if loss.surrogate is not F.clipped_surrogate
+)
 #: Each loss's own warnings about the settings, beside those every loss shares.
 _LOSS_WARNINGS: dict[str, Callable[[Any], list[str]]] = {
     TARGET_LOSS: _tpo_warnings,

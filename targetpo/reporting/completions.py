@@ -1,5 +1,4 @@
-"""What the trainer logs: metrics averaged between logs, and the completions table: printed when ``log_completions`` is
-on, logged to wandb and trackio, and pushed to the Hub."""
+"""The completions table: printed when ``log_completions`` is on, logged to wandb and trackio, and pushed to the Hub."""
 
 from __future__ import annotations
 
@@ -11,24 +10,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-
-
-class RunningMean:
-    """The mean of the values a metric recorded since the last log, kept as a sum and a count: its memory stays the
-    same however long nothing logs (``logging_strategy="no"``, a large ``logging_steps``)."""
-
-    __slots__ = ("total", "count")
-
-    def __init__(self) -> None:
-        self.total, self.count = 0.0, 0
-
-    def append(self, value: float) -> None:
-        """Record one value (named as a list's, so recording reads the same either way)."""
-        self.total += value
-        self.count += 1
-
-    def mean(self) -> float:
-        return self.total / self.count
 
 
 @dataclass

@@ -15,14 +15,31 @@ import torch
 from accelerate import Accelerator
 
 from .. import functional as F
-from ..batch import RolloutBatch
-from .completions import RunningMean
+from ..batch import StepBatch
 
 if TYPE_CHECKING:  # the loss's types, from the modules above this one
     from ..objectives.registry import LossTerms
     from ..objectives.regularisers import BuiltImportanceWeights
 
 MODES = ("train", "eval")
+
+
+class RunningMean:
+    """The mean of the values a metric recorded since the last log, kept as a sum and a count: its memory stays the
+    same however long nothing logs (``logging_strategy="no"``, a large ``logging_steps``)."""
+
+    __slots__ = ("total", "count")
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    def append(self, value: float) -> None:
+        """Record one value (named as a list's, so recording reads the same either way)."""
+        self.total += value
+        self.count += 1
+
+    def mean(self) -> float:
+        return self.total / self.count
 
 
 class MetricsRecorder:
@@ -113,7 +130,7 @@ def _record_importance_weights(recorder: MetricsRecorder, built: BuiltImportance
 
 
 def record_targets(
-    recorder: MetricsRecorder, mode: str, batch: RolloutBatch, group_size: int, valid: torch.Tensor | None = None
+    recorder: MetricsRecorder, mode: str, batch: StepBatch, group_size: int, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The paper's diagnostics of a freshly built q over all processes; returns the sample indices and q of every
     process's rows whose q was built (for the completions table).

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..episodes.multi_turn import EnvironmentReward
+from ..episodes.environments import EnvironmentReward
 from ..objectives.settings import loss_description
 
 #: Environment variables in which launchers give a process the run's number of processes: torchrun and accelerate's

@@ -13,9 +13,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from ..episodes.multi_turn import EnvironmentPool, ToolLoop
+from ..episodes.async_runner import ToolCallLimits
+from ..episodes.chat_template import ConversationTemplate
+from ..episodes.environments import EnvironmentPool
+from ..episodes.multi_turn import ToolLoop
 from ..episodes.parts import EpisodeParts
-from ..episodes.tools import ConversationTemplate, ToolCallLimits
 from ..generation import Completions, PromptImages, RolloutBackend, SamplingSettings
 from ..modeling.loading import PromptLimit, max_positions
 from ..reporting.metrics import MetricsRecorder

@@ -35,7 +35,7 @@ from ..generation import (
 from ..generation.base import check_takes_images
 
 if TYPE_CHECKING:
-    from ..episodes.tools import AsyncRunner
+    from ..episodes.async_runner import AsyncRunner
     from .context import RolloutContext
     from .sources import RolloutSource
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..episodes.multi_turn import AHEAD, NOW, MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
+from ..episodes.environments import AHEAD, NOW
+from ..episodes.multi_turn import MultiTurnRollout, ToolLoop, custom_rollout_completions, left_pad
 from ..generation import Completions, PromptImages, unpadded_prompts
 from ..generation.base import check_takes_images
 from ..modeling.loading import max_positions
