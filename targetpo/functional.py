@@ -192,6 +192,19 @@ def advantage_rows_with_gradient(
     return (valid & (u != 0)).reshape(-1)
 
 
+def _unit_exponent(values: torch.Tensor, valid: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The exponent of a power of two near the valid values' largest magnitude (per row along ``dim``, or over all).
+
+    Divided by it, with :func:`torch.ldexp`, the values lie within [-2, 2], so their sums and squares neither overflow
+    (scores near the dtype's largest) nor underflow (tiny ones); dividing by a power of two is exact, so a z-score of
+    the divided values is the z-score of the values.
+    """
+    magnitude = torch.where(valid, values.abs(), torch.zeros_like(values))
+    magnitude = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    limit = int(math.log2(torch.finfo(values.dtype).max))
+    return (torch.frexp(magnitude).exponent - 1).clamp(-limit, limit)
+
+
 def _deviations_from_group_mean(grouped: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, 1)`` valid-member counts (at least 1) and ``(G, K)`` deviations from the valid members' mean (0 where
     invalid)."""
@@ -209,10 +222,11 @@ def tpo_scores(scores: torch.Tensor, num_generations: int, valid_mask: torch.Ten
     grouped = _group(_as_float(scores), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
     _require_finite(grouped, valid, "scores")
-    count, deviation = _deviations_from_group_mean(grouped, valid)
+    # Centred on a power-of-two scale: scores near the dtype's largest cannot overflow the group's sum.
+    count, deviation = _deviations_from_group_mean(torch.ldexp(grouped, -_unit_exponent(grouped, valid, -1)), valid)
     zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
     informative = _informative_groups(grouped, valid).unsqueeze(-1)
-    # Scale by the largest deviation before squaring: the z-score is unchanged and huge scores cannot overflow.
+    # Scale by the largest deviation before squaring: the z-score is unchanged and tiny deviations cannot underflow.
     scale = deviation.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(informative, scale, torch.ones_like(scale))
     scaled = deviation / scale
@@ -247,12 +261,27 @@ def group_advantages(
     grouped = _group(_as_float(scores), num_generations, "scores")
     valid = _group_valid(valid_mask, scores, num_generations)
     _require_finite(grouped, valid, "scores")
-    _, deviation = _deviations_from_group_mean(grouped, valid)
+    # On a power-of-two scale (exact) so that huge scores overflow neither the sums nor the squares.
+    exponent = _unit_exponent(grouped, valid)
+    unit = torch.ldexp(grouped, -exponent)
+    _, deviation = _deviations_from_group_mean(unit, valid)
     informative = _informative_groups(grouped, valid).unsqueeze(-1)
     if scale == "batch":
-        std = _batch_std(grouped, valid)
+        std = _batch_std(unit, valid)
         deviation = deviation / torch.where(std > 0, std, torch.ones_like(std))
+    else:  # "none": back in the rewards' units, where a deviation may not fit
+        deviation = torch.ldexp(deviation, exponent)
+        _require_finite_deviations(deviation, valid)
     return torch.where(valid & informative, deviation, torch.zeros_like(deviation)).reshape(-1)
+
+
+def _require_finite_deviations(deviation: torch.Tensor, valid: torch.Tensor) -> None:
+    """Refuse unscaled advantages that overflow: scores near the dtype's largest, apart by more than it holds."""
+    if not torch.isfinite(deviation[valid]).all():
+        raise ValueError(
+            f"With scale_rewards='none' the advantages are the scores' deviations from their group's mean, and one "
+            f"overflows {deviation.dtype}: scale the rewards down, or set scale_rewards to 'group' or 'batch'."
+        )
 
 
 def decoupled_advantages(
@@ -281,7 +310,10 @@ def decoupled_advantages(
     for column in scores_per_func.unbind(dim=1):
         scored = valid & ~torch.isnan(column)
         columns.append(tpo_scores(torch.nan_to_num(column), num_generations, scored))
-    total = (torch.stack(columns, dim=1) * weights.to(scores_per_func)).sum(dim=1)
+    # Weights on a power-of-two scale (exact, the z-score below is unchanged): huge weights cannot overflow the sum.
+    weights = weights.to(scores_per_func)
+    weights = torch.ldexp(weights, -_unit_exponent(weights, torch.ones_like(weights, dtype=torch.bool)))
+    total = (torch.stack(columns, dim=1) * weights).sum(dim=1)
     zero = torch.zeros((), dtype=total.dtype, device=total.device)
     count = valid.sum().clamp(min=1)
     centred = torch.where(valid, total - torch.where(valid, total, zero).sum() / count, zero)

@@ -24,6 +24,8 @@ from .modeling.loading import from_pretrained_or_explain, model_identifier, mode
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 #: What every reward function is given besides the dataset's columns; a column may not take these names.
 REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
+#: The largest score in magnitude: scores are held as float32.
+LARGEST_SCORE = torch.finfo(torch.float32).max
 
 
 def reward_name(func: Any) -> str:
@@ -80,6 +82,11 @@ def _as_score(value: Any, name: str, index: int) -> float:
         raise ValueError(
             f"Reward function '{name}' returned {number} for completion {index}; scores must be finite (return None "
             "to leave a completion unscored)."
+        )
+    if abs(number) > LARGEST_SCORE:
+        raise ValueError(
+            f"Reward function '{name}' returned {number} for completion {index}; scores are float32, which holds at "
+            f"most {LARGEST_SCORE:.4g} in magnitude: scale the scores down."
         )
     return number
 
@@ -157,8 +164,16 @@ def _checked_reward_sources(
             f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} reward functions; give "
             "one weight per reward function."
         )
-    if not all(math.isfinite(float(weight)) for weight in reward_weights):
+    try:  # a number, or a 0-d tensor or array; not text, which float() would read too
+        numbers_given = [math.nan if isinstance(weight, (str, bytes)) else float(weight) for weight in reward_weights]
+    except (TypeError, ValueError):
+        numbers_given = [math.nan]
+    if not all(math.isfinite(weight) for weight in numbers_given):
         raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}.")
+    if any(abs(weight) > LARGEST_SCORE for weight in numbers_given):
+        raise ValueError(
+            f"reward_weights are float32, at most {LARGEST_SCORE:.4g} in magnitude: got {list(reward_weights)}."
+        )
     return funcs, tokenizers, reward_weights
 
 
@@ -290,6 +305,13 @@ class RewardScorer:
         for index, func in enumerate(self.funcs):
             if self.is_model[index]:
                 model_scores = self._score_with_model(func, self.tokenizers[index], prompts, completions, device)
+                if not torch.isfinite(model_scores).all():
+                    first = int((~torch.isfinite(model_scores)).nonzero()[0])
+                    raise ValueError(
+                        f"Reward model '{self.names[index]}' scored completion {first} "
+                        f"{model_scores[first].item()}; its scores must be finite (the model overflowed: load it in "
+                        "float32 or bfloat16 rather than float16)."
+                    )
                 scores[:, index] = model_scores.to(scores.device)
         return scores
 

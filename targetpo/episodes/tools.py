@@ -164,6 +164,17 @@ def image_content(name: str, result: Any) -> list[dict[str, Any]]:
 
 
 def _result_outcome(name: str, result: Any, images_allowed: bool = False) -> ToolOutcome:
+    """A tool's result as its outcome; a result that cannot be written as text (its ``str()`` raises, or it nests too
+    deep) fails the call with an error the model sees, like any failed call."""
+    try:
+        return _written_outcome(name, result, images_allowed)
+    except Exception as error:
+        kind = type(result).__name__
+        text = f"Error: {name} returned a {kind} that cannot be written as text ({type(error).__name__})."
+        return ToolOutcome(tool_message(name, text), failed=True)
+
+
+def _written_outcome(name: str, result: Any, images_allowed: bool) -> ToolOutcome:
     """A tool's result as its outcome. Images reach a vision-language policy (``images_allowed``: it is trained with
     its processor) as content parts. A text-only policy cannot see them, and written as text an image would read as
     a Python object: the call fails with an error the model sees (the run goes on, like any failed call)."""
@@ -180,7 +191,7 @@ def _result_outcome(name: str, result: Any, images_allowed: bool = False) -> Too
         f"The tool {name!r} returned an image, which a text-only policy cannot read, so the call is answered with an "
         "error. Images in tool results need a vision-language model trained with its processor "
         "(processing_class=AutoProcessor.from_pretrained(...)); otherwise return text from tools.",
-        stacklevel=2,
+        stacklevel=3,
     )
     error = f"Error: {name} returned an image; this model reads text only. Return text."
     return ToolOutcome(tool_message(name, error), failed=True)
@@ -238,4 +249,8 @@ def _outcome(name: str, result: Any, timeout: float | None = None, images_allowe
 
 
 def _error_text(name: str, error: BaseException) -> str:
-    return f"Error: {name} raised {type(error).__name__}: {error}"
+    try:
+        detail = str(error)
+    except Exception:  # an exception whose message itself fails
+        detail = "(its message cannot be written as text)"
+    return f"Error: {name} raised {type(error).__name__}: {detail}"

@@ -160,7 +160,15 @@ class RolloutScorer:
             )
             self._warned_unscored = True
         weights = self.reward_scorer.weights.to(scores_per_func.device)
-        return (scores_per_func * weights).nansum(dim=1)
+        rewards = (scores_per_func * weights).nansum(dim=1)
+        if not torch.isfinite(rewards).all():
+            first = int((~torch.isfinite(rewards)).nonzero()[0])
+            raise ValueError(
+                f"The weighted sum of the rewards of completion {first} overflows float32 ({rewards[first].item()}): "
+                f"its scores {scores_per_func[first].tolist()} times reward_weights {weights.tolist()}. Scale the "
+                "rewards or reward_weights down."
+            )
+        return rewards
 
     def advantages(
         self, scores_per_func_all: torch.Tensor, scores_all: torch.Tensor, valid_all: torch.Tensor, group_size: int
