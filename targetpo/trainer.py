@@ -26,6 +26,7 @@ from .config import preflight
 from .config.fields import GRPOConfig, TargetPOConfig
 from .episodes import environments
 from .episodes.parts import EpisodeParts
+from .faults import lost_processes
 from .generation import RolloutBackend, SamplingSettings
 from .modeling.loading import PromptLimit, load_policy_and_processing, max_positions, mix_weights_into, prepare_policy
 from .objectives.settings import trains_whole_groups
@@ -340,6 +341,10 @@ class TargetPOTrainer(Trainer):
             announce_run(self._run_summary(), show_block=self.args.get_process_log_level() <= logging.WARNING)
         try:
             return super().train(*args, **kwargs)
+        except Exception as error:
+            doing = f"training (step {self.state.global_step})"
+            lost_processes.raise_if_a_process_was_lost(error, doing, self.args.output_dir)
+            raise
         finally:
             self._scheduler.stop_generating()  # the backend stays up: `evaluate()` and another `train()` use it
 

@@ -571,3 +571,82 @@ def test_a_rows_images_and_values_that_cannot_be_copied_are_shared():
         first, second = own_copies([row, row])
     assert first["image"] is image and first["lock"] is lock
     assert first["board"] == board and first["board"] is not board and first["board"] is not second["board"]
+
+
+#: TRL's documented tool example for GRPOTrainer (its GRPO trainer docs, "Agent Training", "Tools"), as written there:
+#: the ``...,`` stands for the rest of the trainer's arguments.
+TRL_TOOL_EXAMPLE = '''\
+from trl import GRPOTrainer
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+
+trainer = GRPOTrainer(
+    tools=[multiply, async_add],
+    ...,
+)
+'''
+
+
+def test_trls_documented_tool_example_trains_with_only_trl_replaced(tmp_path):
+    """The tool example with every ``trl`` made ``targetpo``, its ``...`` filled with a local model's path, a
+    GRPOConfig, a dataset and a reward. Scripted turns call the sync tool, then the async one on its result; the reward reads the
+    tool turns, so it is 1 only where both tools ran with the arguments the model wrote."""
+    from targetpo import GRPOConfig
+
+    code = TRL_TOOL_EXAMPLE.replace("trl", "targetpo")
+    code = code.replace("    ...,\n", "    model=model, args=args, train_dataset=dataset, reward_funcs=reward,\n")
+    tokenizer = qwen3_tokenizer()
+    tiny_qwen3(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Use {index}."}] for index in range(4)]})
+
+    def policy(context):
+        product = re.findall(r"<tool_response>\n(\d+)\n</tool_response>", context)
+        if not product:
+            return think("multiply first") + qwen3_call("multiply", a=6, b=int(re.search(r"Use (\d)", context)[1]))
+        return "Done." if len(product) == 2 else think("then add") + qwen3_call("async_add", a=int(product[0]), b=1)
+
+    def reward(completions, prompts, **kwargs):
+        sums = [[message["content"] for message in completion if message["role"] == "tool"] for completion in completions]
+        wanted = [[str(6 * int(prompt[-1]["content"][4])), str(6 * int(prompt[-1]["content"][4]) + 1)] for prompt in prompts]
+        return [float(got == want) for got, want in zip(sums, wanted)]
+
+    namespace = {
+        "model": str(tmp_path / "model"), "dataset": rows, "reward": reward,
+        "args": GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=2,
+                           max_completion_length=600, max_prompt_length=None, max_tool_calling_iterations=3,
+                           report_to="none",
+                           disable_tqdm=True, logging_steps=1),
+    }  # fmt: skip
+    with pytest.warns(UserWarning, match=r"trains its loss_type='dapo'"):
+        exec(compile(code, "tool_example.py", "exec"), namespace)  # noqa: S102 - TRL's documented example, ported
+    trainer = namespace["trainer"]
+    trainer.rollout_backend = ScriptedPolicy(trainer.processing_class, policy, max_new_tokens=200)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["rewards/reward/mean"] == 1.0  # every sample: multiply's result, then async_add's on it
+    assert logs["tools/call_frequency"] == 2.0 and logs["tools/failure_frequency"] == 0.0  # two calls a sample

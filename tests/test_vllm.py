@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import time
 from types import SimpleNamespace
 
@@ -435,6 +436,43 @@ def test_server_mode_trains_through_vllm_serve_and_the_engine_holds_each_steps_w
     assert transfer.group is None and backend._transfer is None and backend.client is None
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("targetpo-rollouts")]
     assert len(engine_greedy(served)([[3, 4, 5]])[0][0]) == GREEDY["max_tokens"]
+
+
+class StopTheServerAfterTheFirstStep(TrainerCallback):
+    """Stops every process of the server (SIGSTOP: it keeps its sockets, and answers nothing) once step 1 ends."""
+
+    def __init__(self, process_group):
+        self.process_group, self.stopped_at = process_group, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            os.killpg(self.process_group, signal.SIGSTOP)
+            self.stopped_at = time.monotonic()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_server_stopped_mid_run_ends_training_with_an_error_naming_it_within_the_stall_timeout(tmp_path):
+    from vllm_serve import PROCESS_GROUPS, served_vllm
+
+    from targetpo.generation.server_liveness import ServerStalled
+
+    tokenizer = reverse_task_tokenizer()
+    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    stall = 5.0
+    with served_vllm(tmp_path / "model", tmp_path / "server.log") as base_url:
+        trainer = make_trainer(server_config(tmp_path / "out", base_url, world_size=1, vllm_server_stall_timeout=stall))
+        stop = StopTheServerAfterTheFirstStep(PROCESS_GROUPS[base_url])
+        trainer.add_callback(stop)
+        with pytest.raises(ServerStalled) as raised:
+            trainer.train()
+        took = time.monotonic() - stop.stopped_at
+    # The next rollout's weight push waited on the stopped server: given up after the stall, not at gloo's timeout.
+    assert stall <= took < stall + 2 * stall / 4 + 30, took
+    assert base_url in str(raised.value) and "vllm_server_stall_timeout=5" in str(raised.value)
+    assert trainer.state.global_step == 1
 
 
 # More prompt tokens at once than vLLM schedules in one step (2048 by default), each request with its own seed, as every

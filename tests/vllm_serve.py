@@ -20,6 +20,8 @@ START_TIMEOUT = 300
 #: This checkout, which the servers import targetpo (its gloo engine) from, whatever else is installed.
 REPOSITORY = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+#: The process group of each running server, by base URL: a test may stop or kill a server it started.
+PROCESS_GROUPS = {}
 
 
 def free_port():
@@ -66,10 +68,14 @@ def running_server(command, env, log_path, port, cwd=None):
             command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
         base_url = f"http://127.0.0.1:{port}"
+        PROCESS_GROUPS[base_url] = server.pid  # its own session: the group's id is the server's pid
         try:
             _wait_until_healthy(base_url, server, log_path)
             yield base_url
         finally:
+            PROCESS_GROUPS.pop(base_url, None)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGCONT)  # a stopped server would not act on the SIGTERM
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGTERM)
             try:

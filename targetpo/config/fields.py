@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Annotated, Any
@@ -74,9 +75,11 @@ class Range(Allowed):
             raise ValueError(f"Range{lows + highs}: give one bound or two, at most one on each side.")
 
     def admits(self, value: Any) -> bool:
-        """Whether `value` lies within every bound (NaN lies within none)."""
+        """Whether `value` lies within every bound (NaN lies within none, and an infinity is refused: no field is
+        boundless, and None is how a field says "no limit")."""
         return (
-            (self.at_least is None or value >= self.at_least)
+            math.isfinite(value)
+            and (self.at_least is None or value >= self.at_least)
             and (self.above is None or value > self.above)
             and (self.at_most is None or value <= self.at_most)
             and (self.below is None or value < self.below)
@@ -191,7 +194,7 @@ FLAG_GROUPS = {
     ),
     "vLLM": (
         "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-        "vllm_server_api_key", "vllm_weight_transfer_backend", "async_rollouts", "max_staleness",
+        "vllm_server_stall_timeout", "vllm_server_api_key", "vllm_weight_transfer_backend", "async_rollouts", "max_staleness",
         "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl", "vllm_structured_outputs_regex",
         "vllm_group_port", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_importance_sampling_correction",
         "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
@@ -228,7 +231,9 @@ class GRPOConfig(TrainingArguments):
     """
 
     # --- Defaults that suit RL fine-tuning rather than supervised training -------------------------------------
-    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for the optimizer."})
+    learning_rate: Annotated[float, Range(at_least=0)] = field(
+        default=1e-6, metadata={"help": "The initial learning rate for the optimizer."}
+    )
     logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
     dataloader_pin_memory: bool = field(
         default=False, metadata={"help": "Pin dataloader memory. Off: batches are raw rows, tokenised at rollout."}
@@ -501,6 +506,15 @@ class GRPOConfig(TrainingArguments):
     vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
     vllm_server_timeout: float = field(
         default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up before failing."}
+    )
+    vllm_server_stall_timeout: Annotated[float | None, Range(above=0, why="None: no limit")] = field(
+        default=120.0,
+        metadata={
+            "help": "Server mode: seconds the server may leave its health check unanswered while the trainer waits "
+            "on a generation or a weight update before every process stops with an error naming the server. Long "
+            "generations of a live server are never cut off: it answers its health check meanwhile. None: wait "
+            "for as long as it takes."
+        },
     )
     vllm_server_api_key: str | None = field(
         default=None,

@@ -77,6 +77,7 @@ def _server_backend(args: Any, accelerator: Any, policy: nn.Module, settings: Sa
         args.vllm_server_timeout,
         args.vllm_weight_transfer_backend,
         api_key=resolve_api_key(args.vllm_server_api_key),
+        stall_timeout=args.vllm_server_stall_timeout,
     )
 
 

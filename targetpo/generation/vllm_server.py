@@ -41,6 +41,7 @@ from .base import (
 )
 from .sampling import SamplingSettings
 from .server_auth import KEY_VARIABLE, authorization_headers
+from .server_liveness import while_alive
 from .vllm_backend import engine_weight_metadata, export_for_engine, make_sampling_params
 
 #: How the trainer starts the server it talks to, for error messages.
@@ -117,9 +118,10 @@ class VLLMServerClient:
     ``start_weight_update``, ``update_weights``, ``finish_weight_update``) that trainer-side transfer engines drive.
     """
 
-    def __init__(self, base_url: str, timeout: float, api_key: str | None = None):
+    def __init__(self, base_url: str, timeout: float, api_key: str | None = None, stall_timeout: float | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.stall_timeout = stall_timeout  # None: wait on a request for as long as it takes
         self.weight_version: str | None = None  # the label of the weights being pushed, set on finishing the update
         self._has_key = api_key is not None
         self._headers = authorization_headers(api_key)  # on every request, the health checks included
@@ -262,7 +264,10 @@ class VLLMServerClient:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            response = self._http.request(method, path, **kwargs)
+            if self.stall_timeout is None:
+                response = self._http.request(method, path, **kwargs)
+            else:
+                response = asyncio.run(self._watched_request(method, path, kwargs))
         except httpx.HTTPError as error:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} could not be reached for {path}: {error}"
@@ -270,6 +275,13 @@ class VLLMServerClient:
         self._raise_if_refused(response, path)
         _raise_for_status(response, path)
         return response.json() if response.content else None
+
+    async def _watched_request(self, method: str, path: str, kwargs: dict[str, Any]) -> httpx.Response:
+        """The request, given up with :class:`ServerStalled` once the server stops answering its health check."""
+        timeout = httpx.Timeout(None, connect=self.timeout)
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=self._headers) as http:
+            request = http.request(method, path, **kwargs)
+            return await while_alive(request, self.base_url, self._headers, self.stall_timeout, f"waiting on {path}")
 
     # ------------------------------------------------------------------------------------------ generation
     def generate(
@@ -311,7 +323,11 @@ class VLLMServerClient:
                         prompts, fields, seeds, request_ids, image_urls
                     )
                 ]
-                return list(await asyncio.gather(*requests))
+                every_request = asyncio.gather(*requests)
+                if self.stall_timeout is not None:
+                    doing = f"generating {len(requests)} completions"
+                    every_request = while_alive(every_request, self.base_url, self._headers, self.stall_timeout, doing)
+                return list(await every_request)
         finally:
             if cancellation is not None:
                 cancellation.detach()
@@ -426,6 +442,7 @@ class VLLMServerBackend(RolloutBackend):
         transfer_backend: str = "auto",
         packed_buffer_bytes: int | None = None,
         api_key: str | None = None,
+        stall_timeout: float | None = None,
     ):
         self.accelerator = accelerator
         self.settings = settings
@@ -433,6 +450,7 @@ class VLLMServerBackend(RolloutBackend):
         make_sampling_params(self.fields, seed=None)  # the server ignores fields it does not know: refuse them here
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.stall_timeout = stall_timeout
         self.api_key = api_key
         self.transfer_backend = _transfer_backend(transfer_backend)
         self.packed_buffer_bytes = packed_buffer_bytes
@@ -447,7 +465,7 @@ class VLLMServerBackend(RolloutBackend):
         self._processes_send_requests = False
         with failures_reach_every_process("connecting to the vLLM server", accelerator.device):
             if accelerator.is_main_process:
-                self.client = VLLMServerClient(base_url, timeout, api_key)
+                self.client = VLLMServerClient(base_url, timeout, api_key, stall_timeout)
                 try:
                     self.client.wait_for_server()
                     self.client.check_sampled_logprobs()
@@ -517,7 +535,7 @@ class VLLMServerBackend(RolloutBackend):
         if self._own_requests is None:
             rank = self.accelerator.process_index
             self._own_requests = ServerRequests(
-                self.base_url, self.timeout, self.settings, f"targetpo-p{rank}", self.api_key
+                self.base_url, self.timeout, self.settings, f"targetpo-p{rank}", self.api_key, self.stall_timeout
             )
             self._processes_send_requests = True
         return self._own_requests
@@ -609,10 +627,11 @@ class ServerRequests(RolloutBackend):
         settings: SamplingSettings,
         request_prefix: str,
         api_key: str | None = None,
+        stall_timeout: float | None = None,
     ):
         self.settings = settings
         self.fields = settings.vllm_fields()
-        self.client = VLLMServerClient(base_url, timeout, api_key)
+        self.client = VLLMServerClient(base_url, timeout, api_key, stall_timeout)
         self.request_prefix = request_prefix  # request ids unique across processes
         self.generator = torch.Generator()
         self._cancellation = Cancellation()

@@ -1,0 +1,2 @@
+"""What a run does when something beneath it fails: a training process lost (``lost_processes.py``). A generation
+server that stops answering is the rollout backend's to notice (``generation/server_liveness.py``)."""
