@@ -9,6 +9,7 @@ Each process saves its final weights (``weights_rank{rank}.pt``).
 import os
 import signal
 import sys
+import time
 
 import torch
 from transformers import TrainerCallback
@@ -25,6 +26,8 @@ step = {"now": 0}
 
 
 def die():
+    with open(os.path.join(out_dir, "killed_at"), "w") as clock:  # when, for the survivor's time to its error
+        clock.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
