@@ -115,8 +115,18 @@ class StepBatch:
         object.__setattr__(self, "state", StepState() if state is None else state)
 
     def __getattr__(self, name: str) -> Any:
+        if name in StepBatch.__slots__:  # not set yet (an object being unpickled): not found, not looked up again
+            raise AttributeError(name)
         source = self.state if name in _STATE else self.record
         return getattr(source, name)
+
+    # Pickled whole (a checkpoint keeps the rollout in progress): the slots, set as __init__ sets them.
+    def __getstate__(self) -> tuple[RolloutBatch, StepState]:
+        return self.record, self.state
+
+    def __setstate__(self, state: tuple[RolloutBatch, StepState]) -> None:
+        object.__setattr__(self, "record", state[0])
+        object.__setattr__(self, "state", state[1])
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _STATE:

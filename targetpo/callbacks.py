@@ -88,14 +88,21 @@ def load_checkpoint_extras(
 @dataclass
 class CheckpointExtras:
     """What a resumed run needs beyond the Trainer's own checkpoint (each when the run has it): the adaptive entropy
-    bonus and the synced reference model; ``entropy_coef``, the configured coefficient a bonus restarts from."""
+    bonus and the synced reference model; ``entropy_coef``, the configured coefficient a bonus restarts from; and
+    ``rollout``, the rollout in progress (``rollout/in_progress.py``: each process saves and loads its own)."""
 
     entropy_bonus: EntropyBonus | None
     reference: nn.Module | None
     entropy_coef: float
+    rollout: Any = None
 
-    def save(self, output_dir: str) -> None:
-        save_checkpoint_extras(output_dir, self.entropy_bonus, self.reference)
+    def save(self, output_dir: str, main_process: bool) -> None:
+        if main_process:
+            save_checkpoint_extras(output_dir, self.entropy_bonus, self.reference)
+        if self.rollout is not None:
+            self.rollout.save(output_dir)
 
     def load(self, checkpoint: str) -> None:
         load_checkpoint_extras(checkpoint, self.entropy_bonus, self.reference, self.entropy_coef)
+        if self.rollout is not None:
+            self.rollout.load(checkpoint)

@@ -35,6 +35,7 @@ from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
 from .rewards import RewardFunc, RewardScorer
 from .rollout.context import RolloutContext
+from .rollout.in_progress import RolloutInProgress
 from .rollout.scheduler import RolloutScheduler
 from .rollout.scoring import RolloutScorer
 from .rollout.sources import rollout_source
@@ -195,13 +196,14 @@ class TargetPOTrainer(Trainer):
 
     def _set_up_checkpoint_extras(self) -> None:
         """What moves with training beyond the weights, saved and loaded beside the optimiser (``callbacks.py``):
-        the adaptive entropy bonus and the synced reference model."""
+        the adaptive entropy bonus, the synced reference model and the rollout a checkpoint falls in."""
         args = self.args
         entropy_bonus = self._step.loss.entropy_bonus if args.use_adaptive_entropy else None
         if entropy_bonus is not None:
             self.add_callback(OnOptimizerStep(entropy_bonus.adapt))
         reference = self.accelerator.unwrap_model(self.ref_model) if args.sync_ref_model else None
-        self._checkpoint_extras = CheckpointExtras(entropy_bonus, reference, args.entropy_coef)
+        rollout = RolloutInProgress(self._scheduler, self._plan.generate_every, self.accelerator)  # one per process
+        self._checkpoint_extras = CheckpointExtras(entropy_bonus, reference, args.entropy_coef, rollout)
 
     def _set_up_rollouts(self) -> None:
         """How rollouts are made: the step plan, what the rollout side is given (``rollout/context.py``), the scheduler
@@ -335,15 +337,14 @@ class TargetPOTrainer(Trainer):
             self._signature_columns = [*preflight.kept_columns(self._environments), *data.SAMPLER_TAGS]
 
     def train(self, *args: Any, **kwargs: Any):
-        self._scheduler.buffer = None  # a (resumed) run starts with a fresh rollout
+        self._scheduler.buffer = None  # a fresh rollout (or the one a resumed run's checkpoint holds)
         self._scheduler.forget_weights()  # and gives the rollout backend its weights before it
         if self.accelerator.is_main_process:  # what trains; the block stays quiet at log_level "error" and above
             announce_run(self._run_summary(), show_block=self.args.get_process_log_level() <= logging.WARNING)
         try:
             return super().train(*args, **kwargs)
         except Exception as error:
-            doing = f"training (step {self.state.global_step})"
-            lost_processes.raise_if_a_process_was_lost(error, doing, self.args.output_dir)
+            lost_processes.raise_if_a_process_was_lost(error, self.state.global_step, self.args.output_dir)
             raise
         finally:
             self._scheduler.stop_generating()  # the backend stays up: `evaluate()` and another `train()` use it
@@ -410,8 +411,7 @@ class TargetPOTrainer(Trainer):
     # checkpoint without the optimiser, save_only_model, cannot be resumed from anyway).
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            self._checkpoint_extras.save(output_dir)
+        self._checkpoint_extras.save(output_dir, main_process=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -67,6 +67,7 @@ FLOORS = {
         "rollout.scheduler",
         "rollout.no_signal",
         "rollout.scoring",
+        "rollout.in_progress",
         "rollout",
     ],
     "the step": ["step.plan", "step.split_groups", "step.run", "step"],

@@ -57,9 +57,10 @@ def lost_processes(store: Any, rank: int, world_size: int, wait: float = ROLL_CA
         return [0]
 
 
-def raise_if_a_process_was_lost(error: BaseException, doing: str, output_dir: str) -> None:
+def raise_if_a_process_was_lost(error: BaseException, step: int, output_dir: str) -> None:
     """Raise :class:`LostProcessError`, naming the lost processes and the checkpoint in ``output_dir`` to resume
-    from, if ``error`` is a collective that failed because a peer went away; otherwise return."""
+    from, if ``error`` (met while training after ``step`` optimiser steps) is a collective that failed because a
+    peer went away; otherwise return."""
     if not is_lost_peer(error) or not dist.is_available() or not dist.is_initialized():
         return
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -73,9 +74,9 @@ def raise_if_a_process_was_lost(error: BaseException, doing: str, output_dir: st
         else "no checkpoint was saved yet: start again (save_steps sets how often one is)"
     )
     raise LostProcessError(
-        f"{who} (of {world_size}) went away while {doing}, so process {rank} stops too. A process that leaves no "
-        "error of its own was killed from outside: the kernel's out-of-memory killer (see `dmesg`), a preempted or "
-        f"lost machine, a signal. Once it can run again, {resume}. The backend said: {error}"
+        f"{who} (of {world_size}) went away while training (step {step}), so process {rank} stops too. A process "
+        "that leaves no error of its own was killed from outside: the kernel's out-of-memory killer (see `dmesg`), a "
+        f"preempted or lost machine, a signal. Once it can run again, {resume}. The backend said: {error}"
     ) from error
 
 
