@@ -27,6 +27,7 @@ from .config.fields import GRPOConfig, TargetPOConfig
 from .episodes import environments
 from .episodes.parts import EpisodeParts
 from .faults import lost_processes
+from .faults.checkpoints import AtomicCheckpoints, CheckpointsWrittenWhole
 from .generation import RolloutBackend, SamplingSettings
 from .modeling.loading import PromptLimit, load_policy_and_processing, max_positions, mix_weights_into, prepare_policy
 from .objectives.settings import trains_whole_groups
@@ -43,7 +44,7 @@ from .step.plan import StepPlan, check_passes_supported
 from .step.run import StepRunner
 
 
-class TargetPOTrainer(Trainer):
+class TargetPOTrainer(CheckpointsWrittenWhole, Trainer):
     """Fine-tune a causal language model with Target Policy Optimization.
 
     Args:
@@ -196,8 +197,10 @@ class TargetPOTrainer(Trainer):
 
     def _set_up_checkpoint_extras(self) -> None:
         """What moves with training beyond the weights, saved and loaded beside the optimiser (``callbacks.py``):
-        the adaptive entropy bonus, the synced reference model and the rollout a checkpoint falls in."""
+        the adaptive entropy bonus, the synced reference model and the rollout a checkpoint falls in; and how
+        checkpoints are written (whole: ``faults/checkpoints.py``)."""
         args = self.args
+        self.whole_checkpoints = AtomicCheckpoints(args, self.accelerator.wait_for_everyone)
         entropy_bonus = self._step.loss.entropy_bonus if args.use_adaptive_entropy else None
         if entropy_bonus is not None:
             self.add_callback(OnOptimizerStep(entropy_bonus.adapt))
@@ -277,9 +280,7 @@ class TargetPOTrainer(Trainer):
     def _get_train_sampler(self, train_dataset: Any = None) -> data.RepeatSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         sampler = data.training_sampler(self.args, len(dataset), self._plan.generate_every, self._plan.lookahead_use)
-        if isinstance(
-            dataset, data.RolloutRows
-        ):  # the epoch may reach the sampler through the rows (RolloutRows.set_epoch)
+        if isinstance(dataset, data.RolloutRows):  # the epoch may reach the sampler through the rows (set_epoch)
             dataset.sampler = sampler
         return sampler
 
@@ -474,7 +475,6 @@ class TargetPOTrainer(Trainer):
         return loss.detach(), None, None
 
     # ------------------------------------------------------------------------------------------------ metrics
-
     def _record_targets(self, batch: StepBatch, mode: str, valid: torch.Tensor | None = None) -> None:
         """The diagnostics of a freshly built q (``record_targets``), and q itself for the completions table."""
         sample_index, targets = record_targets(self._metrics, mode, batch, self._group_size(mode), valid)

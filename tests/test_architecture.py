@@ -33,6 +33,7 @@ FLOORS = {
         "generation.transformers_backend",
         "distributed",
         "faults.lost_processes",
+        "faults.checkpoints",
         "faults",
         "modeling.loading",
         "generation.vllm_backend",
