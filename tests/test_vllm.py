@@ -366,6 +366,13 @@ def test_a_server_that_never_comes_up_gives_a_clear_timeout_on_every_process(tmp
     assert "process 0" in other["message"].lower() and "No vLLM server answered" in other["message"]
 
 
+def save_served_model(directory):
+    """The model the servers serve (the reverse task's tokenizer, weights unlike every trainer's policy), saved."""
+    tokenizer = reverse_task_tokenizer()
+    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A real `vllm serve` on loopback (started as targetpo-vllm-serve starts it) serving a model whose weights
@@ -373,9 +380,7 @@ def served(tmp_path_factory):
     from vllm_serve import served_vllm
 
     directory = tmp_path_factory.mktemp("served")
-    tokenizer = reverse_task_tokenizer()
-    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(directory / "model")
-    tokenizer.save_pretrained(directory / "model")
+    save_served_model(directory / "model")
     # Blocks of 32 tokens (the CPU build's default is 128, more than these prompts): prompts fill whole blocks, which
     # the prefix cache keeps, as on GPUs (16).
     with served_vllm(directory / "model", directory / "server.log", ["--block-size", "32"]) as base_url:
@@ -458,9 +463,7 @@ def test_a_vllm_server_stopped_mid_run_ends_training_with_an_error_naming_it_wit
 
     from targetpo.generation.server_liveness import ServerStalled
 
-    tokenizer = reverse_task_tokenizer()
-    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    save_served_model(tmp_path / "model")
     stall = 5.0
     with served_vllm(tmp_path / "model", tmp_path / "server.log") as base_url:
         trainer = make_trainer(server_config(tmp_path / "out", base_url, world_size=1, vllm_server_stall_timeout=stall))
@@ -520,9 +523,7 @@ def test_a_server_reporting_raw_log_probs_is_refused_before_training(tmp_path, s
     client = VLLMServerClient(served, 10)
     client.check_sampled_logprobs()  # targetpo-vllm-serve's server: log-probs of the tempered distribution
     client.close()
-    tokenizer = reverse_task_tokenizer()
-    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    save_served_model(tmp_path / "model")
     # Started by hand without the setting (vLLM's default, raw log-probs; the last flag given wins).
     with served_vllm(tmp_path / "model", tmp_path / "server.log", ["--logprobs-mode", "raw_logprobs"]) as raw:
         with pytest.raises(VLLMServerError, match="--logprobs-mode processed_logprobs"):
@@ -538,9 +539,7 @@ def test_a_server_reporting_tempered_logits_is_refused_before_training(tmp_path)
 
     from targetpo.generation.vllm_server import VLLMServerError
 
-    tokenizer = reverse_task_tokenizer()
-    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    save_served_model(tmp_path / "model")
     with served_vllm(tmp_path / "model", tmp_path / "server.log", ["--logprobs-mode", "processed_logits"]) as served:
         with pytest.raises(VLLMServerError, match="cannot be log-probs.*--logprobs-mode processed_logprobs"):
             make_trainer(server_config(tmp_path, served, world_size=1))
@@ -625,9 +624,7 @@ def keyed_served(tmp_path_factory):
     from vllm_serve import served_vllm
 
     directory = tmp_path_factory.mktemp("keyed")
-    tokenizer = reverse_task_tokenizer()
-    build_tiny_causal_lm(tokenizer, seed=7).save_pretrained(directory / "model")
-    tokenizer.save_pretrained(directory / "model")
+    save_served_model(directory / "model")
     with served_vllm(directory / "model", directory / "server.log", api_key=SERVER_KEY) as base_url:
         yield base_url
 
