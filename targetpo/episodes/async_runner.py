@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class AsyncRunner:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._stopper: weakref.finalize | None = None  # stops the loop if the runner is dropped without `close()`
         self._starting = threading.Lock()  # episodes played ahead call it from their own thread too
 
     def run(self, awaitables: Sequence[Any]) -> list[Any]:
@@ -46,8 +48,13 @@ class AsyncRunner:
         with self._starting:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="targetpo-tools", daemon=True)
+                self._thread = threading.Thread(
+                    target=_run_until_stopped, args=(self._loop,), name="targetpo-tools", daemon=True
+                )
                 self._thread.start()
+                # The thread holds the loop, not the runner: a runner dropped without `close()` (a trainer collected
+                # after `evaluate()`) would leave the thread and the loop's sockets behind, one set per trainer.
+                self._stopper = weakref.finalize(self, _stop, self._loop)
 
         async def gather() -> list[Any]:
             return await asyncio.gather(*map(_returning_errors, awaitables), return_exceptions=True)
@@ -98,10 +105,26 @@ class AsyncRunner:
 
     def close(self) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-            self._loop = self._thread = None
+            self._stopper.detach()
+            _stop(self._loop)
+            self._thread.join()  # the thread closes the loop once it stops
+            self._loop = self._thread = self._stopper = None
+
+
+def _run_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
+    """The runner's thread: the loop until it is stopped, then closed (its selector and sockets released)."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop ``loop`` from another thread; nothing to do once it is closed."""
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:  # closed already
+        pass
 
 
 class _Interrupted(Exception):
