@@ -299,7 +299,7 @@ class RecordingClient:
     events = []
     replies = []  # what the next generate call answers
 
-    def __init__(self, base_url, timeout, api_key=None):
+    def __init__(self, base_url, timeout, api_key=None, stall_timeout=None):
         self.weight_version = None
 
     def wait_for_server(self):
