@@ -413,11 +413,13 @@ def test_each_process_own_connection_sends_the_key():
     backend = VLLMServerBackend.__new__(VLLMServerBackend)
     backend.accelerator = SimpleNamespace(process_index=1)
     backend.base_url, backend.timeout, backend.api_key, backend._own_requests = "http://127.0.0.1:9", 5, KEY, None
+    backend.stall_timeout = 7.0
     backend.settings = SamplingSettings(max_new_tokens=2, eos_token_ids=(1,), pad_token_id=0)
     requests = backend.for_this_process()
     try:
         assert requests.client._http.headers["authorization"] == f"Bearer {KEY}"
         assert requests.client._headers == {"Authorization": f"Bearer {KEY}"}
+        assert requests.client.stall_timeout == 7.0  # its requests are watched as the main connection's are
     finally:
         requests.close()
 
