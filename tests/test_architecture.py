@@ -29,6 +29,7 @@ FLOORS = {
         "generation.sampling",
         "generation.server_auth",
         "generation.server_liveness",
+        "generation.server_restarts",
         "generation.kv_cache",
         "generation.transformers_backend",
         "distributed",

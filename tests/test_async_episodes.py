@@ -22,6 +22,7 @@ from targetpo import TargetPOTrainer
 from targetpo.data import RepeatSampler
 from targetpo.demo import GuessingGame, build_char_tokenizer, build_tiny_causal_lm, guessing_tokenizer
 from targetpo.generation import RolloutBackend
+from targetpo.generation.vllm_server import ServerGone
 from targetpo.rollout import scheduler as scheduler_module
 
 #: How long a hand-over waits; a trainer that never hands over (a break) is then caught by what the test checks.
@@ -268,6 +269,52 @@ def test_a_failure_while_playing_ahead_stops_training_with_its_error(tmp_path, m
     trainer.close()
 
 
+class LosesTheServerOnItsFirstPlay(OwnConnection):
+    """The process's own connection finds the server gone while it plays the first rollout ahead."""
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
+        if self.play == 1:
+            raise ServerGone("The vLLM server at http://stand-in could not be reached to generate: connection refused")
+        return super().generate(prompt_ids, prompt_mask, max_new_tokens)
+
+
+class ServerThatComesBack(ServedScript):
+    """A server that may go away and come back (``vllm_server_restart_grace_period``): work lost with it is redone."""
+
+    def recovers_from(self, error):
+        return isinstance(error, ServerGone)
+
+
+@pytest.mark.parametrize("comes_back", [True, False], ids=["comes-back", "no-grace-period"])
+def test_episodes_played_ahead_that_the_server_lost_are_played_again_on_the_training_thread(
+    tmp_path, monkeypatch, comes_back
+):
+    """Episodes played ahead whose server went away are played again, on the training thread, through the trainer's
+    connection (which waits for the server), with the weights of the step that trains on them; without a grace
+    period the loss stops training."""
+    weights = ServedWeights()
+    backend = (ServerThatComesBack if comes_back else ServedScript)(guessing_tokenizer(), weights)
+    backend.own = LosesTheServerOnItsFirstPlay(backend.script, weights)
+    serve(monkeypatch, backend)
+    trainer = guessing_trainer(tmp_path, max_steps=3, **async_settings())
+    if not comes_back:
+        with pytest.raises(ServerGone, match="could not be reached"):
+            trainer.train()
+        trainer.close()
+        assert trainer.state.global_step == 1
+        return
+    trainer.train()
+    trainer.close()
+    assert trainer.state.global_step == 3
+    # Rollout 0 and rollout 1 (lost ahead) on the training thread, by the weights of the steps that train on them.
+    assert {(version, thread) for play, _, version, thread in weights.turns if play == 0} == {
+        (0, "MainThread"), (1, "MainThread")
+    }
+    assert not [turn for turn in weights.turns if turn[0] == 1]  # nothing of the lost play was kept
+    # Rollout 2, played ahead from step 1, as usual.
+    assert logged(trainer, "rollout/staleness_max") == [0, 0, 1]
+
+
 def test_a_backend_without_a_connection_per_process_is_refused_naming_it(tmp_path, monkeypatch):
     """Episodes played ahead need the process's own connection: a backend that gives none is refused at the first
     rollout played ahead, naming it, before any step trains on it."""
@@ -300,7 +347,11 @@ class RecordingClient:
     replies = []  # what the next generate call answers
 
     def __init__(self, base_url, timeout, api_key=None, stall_timeout=None):
-        self.weight_version = None
+        self.base_url, self.weight_version = base_url, None
+        self.served = None  # the label of the weights the server holds: the version of the last push finished
+
+    def served_weights(self):
+        return str(self.served)
 
     def wait_for_server(self):
         pass
@@ -333,6 +384,7 @@ class RecordingTransfer:
 
     def send_weights(self):
         self.client.events.append(f"send {self.client.weight_version}")
+        self.client.served = self.client.weight_version
 
     def shutdown(self):
         pass

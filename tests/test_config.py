@@ -394,6 +394,7 @@ RULED_FIELDS = {
     "max_tool_calling_iterations", "tool_call_timeout", "tool_call_concurrency", "logps_chunk_size", "logps_head_kernel",
     "max_tokens_per_micro_batch",
     "pad_to_multiple_of", "router_aux_loss_coef", "vllm_mode", "learning_rate", "vllm_server_stall_timeout",
+    "vllm_server_restart_grace_period",
     "max_staleness", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl",
     "vllm_weight_transfer_backend", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
     "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap", "loss_type", "beta", "epsilon", "epsilon_high",

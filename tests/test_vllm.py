@@ -478,6 +478,119 @@ def test_a_vllm_server_stopped_mid_run_ends_training_with_an_error_naming_it_wit
     assert trainer.state.global_step == 1
 
 
+class KillTheServer(TrainerCallback):
+    """SIGKILLs every process of the server at the end of each step in ``restarts``, then calls its restart: one that
+    starts a new server in the background (training finds none and waits) or one that returns once it is up (training
+    finds a server that never saw its weights)."""
+
+    def __init__(self, base_url, restarts):
+        self.base_url, self.restarts, self.killed_at = base_url, restarts, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from vllm_serve import PROCESS_GROUPS
+
+        restart = self.restarts.get(state.global_step)
+        if restart is not None:
+            os.killpg(PROCESS_GROUPS[self.base_url], signal.SIGKILL)
+            self.killed_at[state.global_step] = time.monotonic()
+            restart()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_server_killed_mid_run_and_back_within_the_grace_period_serves_the_rest_of_the_run(
+    tmp_path, caplog, monkeypatch
+):
+    """Killed three times: after step 1 (the trainer finds no server at its next push and waits for it), after step 2
+    and back at once (the trainer finds a server that never saw its weights), and as step 3's generation is sent (the
+    rollout's requests are lost: they go again once the server is back and has the weights)."""
+    import contextlib
+    import logging
+    import threading
+    from urllib.parse import urlparse
+
+    from vllm_serve import PROCESS_GROUPS, served_vllm
+
+    from targetpo.generation.vllm_server import VLLMServerClient
+
+    save_served_model(tmp_path / "model")  # unlike the policy: a server that was not given the weights is told apart
+    with contextlib.ExitStack() as servers:
+        base_url = servers.enter_context(served_vllm(tmp_path / "model", tmp_path / "server-1.log"))
+        port, restarting = urlparse(base_url).port, []
+
+        def restart(number):
+            servers.enter_context(served_vllm(tmp_path / "model", tmp_path / f"server-{number}.log", port=port))
+
+        def restart_in_background(number):
+            restarting.append(threading.Thread(target=restart, args=(number,)))
+            restarting[-1].start()
+
+        trainer = make_trainer(
+            server_config(tmp_path / "out", base_url, world_size=1, max_steps=4, vllm_server_restart_grace_period=300)
+        )
+        kill_as_generation_is_sent = threading.Event()
+        sent = VLLMServerClient.generate
+
+        def generate(client, *args, **kwargs):
+            if kill_as_generation_is_sent.is_set() and client is trainer.rollout_backend.client:
+                kill_as_generation_is_sent.clear()
+                os.killpg(PROCESS_GROUPS[base_url], signal.SIGKILL)
+                restart_in_background(4)
+            return sent(client, *args, **kwargs)
+
+        monkeypatch.setattr(VLLMServerClient, "generate", generate)
+        kill = KillTheServer(base_url, {
+            1: lambda: restart_in_background(2),
+            2: lambda: (restart(3), kill_as_generation_is_sent.set()),
+        })
+        trainer.add_callback(kill)
+        with caplog.at_level(logging.WARNING, logger="targetpo.generation.server_restarts"):
+            trainer.train()
+        for thread in restarting:
+            thread.join()
+        assert trainer.state.global_step == 4 and not kill_as_generation_is_sent.is_set()
+        # Every rollout was sampled by the weights of its own step, labelled as the trainer pushed them: none by the
+        # weights a restarted server loaded itself.
+        differences = logged(trainer, "vllm/logp_abs_diff")
+        assert len(differences) == 4 and max(differences) < 1e-5, differences
+        assert logged(trainer, "rollout/staleness_max") == [0, 0, 0, 0]
+        assert trainer.rollout_backend.restarts.count == 3
+        messages = [record.getMessage() for record in caplog.records]
+        assert sum("went away" in message and base_url in message for message in messages) == 3, messages
+        back = [message for message in messages if "answered again" in message]
+        assert len(back) == 3 and all("weights of step" in message for message in back), back
+        assert "64 lost requests were sent again" in back[-1], back
+        # The weights the last server holds are the trained ones.
+        trainer._scheduler.sync_weights()
+        greedy_tokens_match(trainer, engine_greedy(base_url))
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_server_killed_mid_run_and_not_back_stops_every_process_after_the_grace_period(tmp_path):
+    from vllm_serve import PROCESS_GROUPS, served_vllm
+    from vllm_workers import server_lost_worker
+
+    save_served_model(tmp_path / "model")
+    grace = 5.0
+    with served_vllm(tmp_path / "model", tmp_path / "server.log") as base_url:
+        overrides = {"vllm_server_restart_grace_period": grace}
+        mp.spawn(server_lost_worker, args=(2, free_port(), base_url, str(tmp_path), PROCESS_GROUPS[base_url], overrides),
+                 nprocs=2, join=True)
+    killed_at = json.loads((tmp_path / "killed_at.json").read_text())
+    main, other = (json.loads((tmp_path / f"outcome_rank{rank}.json").read_text()) for rank in range(2))
+    assert main["raised"] == "ServerNotBack", main
+    assert base_url in main["message"] and "vllm_server_restart_grace_period=5" in main["message"], main
+    # The other process stops too, with an error that names the main process's.
+    assert other["raised"] == "PeerTimeoutError" and "ServerNotBack" in other["message"], other
+    for outcome in (main, other):
+        assert grace <= outcome["at"] - killed_at < grace + 30, (outcome["at"] - killed_at)
+        assert outcome["global_step"] == 1
+
+
 # More prompt tokens at once than vLLM schedules in one step (2048 by default), each request with its own seed, as every
 # rollout sends them. Split over steps, some request's prefill would be cut in two, and on the CPU a seeded request cut
 # in two kills the engine. After a weight push every resumed request recomputes its whole sequence, so asynchronous

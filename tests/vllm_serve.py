@@ -38,10 +38,11 @@ def with_python_path(first, env=None):
 
 
 @contextlib.contextmanager
-def served_vllm(model_dir, log_path, extra_args=(), api_key=None):
+def served_vllm(model_dir, log_path, extra_args=(), api_key=None, port=None):
     """Serve ``model_dir`` (weights and tokenizer) with vLLM for the duration of the block; yield its base URL. With
-    ``api_key`` every path but the health checks requires it, as ``targetpo-vllm-serve --api-key`` sets up."""
-    port = free_port()
+    ``api_key`` every path but the health checks requires it, as ``targetpo-vllm-serve --api-key`` sets up. ``port``:
+    a free one unless given (a server restarted where the one before it was)."""
+    port = free_port() if port is None else port
     command, env = serve_command(
         str(model_dir), "gloo",
         ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128",

@@ -2,6 +2,8 @@
 
 import json
 import os
+import signal
+import time
 import traceback
 
 import torch
@@ -158,6 +160,35 @@ def server_training_worker(rank, world_size, port, base_url, out_dir, overrides)
     trainer.train()
     with open(os.path.join(out_dir, f"history_rank{rank}.json"), "w") as file:
         json.dump(trainer.state.log_history, file)
+    leave_without_teardown()
+
+
+class KillTheServerAfterStepOne(TrainerCallback):
+    """Process 0 kills every process of the server (SIGKILL on its process group) once step 1 ends."""
+
+    def __init__(self, rank, server_group, out_dir):
+        self.rank, self.server_group, self.out_dir = rank, server_group, out_dir
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1 and self.rank == 0:
+            os.killpg(self.server_group, signal.SIGKILL)
+            with open(os.path.join(self.out_dir, "killed_at.json"), "w") as file:
+                json.dump(time.time(), file)
+
+
+def server_lost_worker(rank, world_size, port, base_url, out_dir, server_group, overrides):
+    """Train through the server, which process 0 kills after step 1; record what each process raised, and when."""
+    join_world(rank, world_size, port)
+    trainer = make_trainer(server_config(out_dir, base_url, world_size, **overrides))
+    trainer.add_callback(KillTheServerAfterStepOne(rank, server_group, out_dir))
+    try:
+        trainer.train()
+        outcome = {"raised": None}
+    except Exception as error:  # noqa: BLE001 (recorded for the test to check)
+        outcome = {"raised": type(error).__name__, "message": str(error), "at": time.time()}
+    outcome["global_step"] = trainer.state.global_step
+    with open(os.path.join(out_dir, f"outcome_rank{rank}.json"), "w") as file:
+        json.dump(outcome, file)
     leave_without_teardown()
 
 

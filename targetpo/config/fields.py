@@ -194,7 +194,8 @@ FLAG_GROUPS = {
     ),
     "vLLM": (
         "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-        "vllm_server_stall_timeout", "vllm_server_api_key", "vllm_weight_transfer_backend", "async_rollouts", "max_staleness",
+        "vllm_server_stall_timeout", "vllm_server_restart_grace_period", "vllm_server_api_key",
+        "vllm_weight_transfer_backend", "async_rollouts", "max_staleness",
         "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl", "vllm_structured_outputs_regex",
         "vllm_group_port", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_importance_sampling_correction",
         "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
@@ -514,6 +515,15 @@ class GRPOConfig(TrainingArguments):
             "on a generation or a weight update before every process stops with an error naming the server. Long "
             "generations of a live server are never cut off: it answers its health check meanwhile. None: wait "
             "for as long as it takes."
+        },
+    )
+    vllm_server_restart_grace_period: Annotated[float, Range(at_least=0)] = field(
+        default=0.0,
+        metadata={
+            "help": "Server mode: seconds to wait for a server that went away mid-run (killed, restarted, stalled "
+            "past vllm_server_stall_timeout) to answer again. Once it does, the trainer opens a new weight transfer, "
+            "pushes the current weights and sends the lost requests again, so nothing is sampled from other weights "
+            "than the policy's. 0: every process stops at once with an error naming the server."
         },
     )
     vllm_server_api_key: str | None = field(

@@ -21,6 +21,7 @@ VLLM_MODE_SETTINGS = {
         "vllm_server_port",
         "vllm_server_timeout",
         "vllm_server_stall_timeout",
+        "vllm_server_restart_grace_period",
         "vllm_server_api_key",
         "vllm_weight_transfer_backend",
     ),

@@ -52,11 +52,17 @@ def build_rollout_backend(
     if not args.use_vllm:
         return TransformersBackend(settings, generation_model, synced_gpus=sharded and accelerator.num_processes > 1)
     if args.vllm_mode == "server":
-        return _server_backend(args, accelerator, policy, settings)
+        return _server_backend(args, accelerator, policy, settings, generation_model)
     return _colocate_backend(args, accelerator, policy, settings, max_model_len, tokenizer)
 
 
-def _server_backend(args: Any, accelerator: Any, policy: nn.Module, settings: SamplingSettings) -> RolloutBackend:
+def _server_backend(
+    args: Any,
+    accelerator: Any,
+    policy: nn.Module,
+    settings: SamplingSettings,
+    generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
+) -> RolloutBackend:
     """A connection to a ``vllm serve`` process, refused where the served model would sample with the wrong head."""
     from .vllm_backend import head_apart_from_embeddings
     from .vllm_server import VLLMServerBackend
@@ -78,6 +84,8 @@ def _server_backend(args: Any, accelerator: Any, policy: nn.Module, settings: Sa
         args.vllm_weight_transfer_backend,
         api_key=resolve_api_key(args.vllm_server_api_key),
         stall_timeout=args.vllm_server_stall_timeout,
+        generation_model=generation_model,
+        restart_grace_period=args.vllm_server_restart_grace_period,
     )
 
 

@@ -232,6 +232,11 @@ class RolloutBackend:
         """Give the engine the policy's current weights (``model`` holds them in full); ``version`` names them (the
         optimiser step). Called on every process, at most once per optimiser step, before the weights are needed."""
 
+    def recovers_from(self, error: BaseException) -> bool:
+        """Whether work lost with ``error`` (episodes played ahead on :meth:`for_this_process`) is done again, with
+        this backend, rather than stopping training: a server that went away and may come back."""
+        return False
+
     def close(self) -> None:
         """Release the engine, connections and helper processes."""
 

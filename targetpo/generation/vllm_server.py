@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import math
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
@@ -41,7 +42,8 @@ from .base import (
 )
 from .sampling import SamplingSettings
 from .server_auth import KEY_VARIABLE, authorization_headers
-from .server_liveness import while_alive
+from .server_liveness import ServerStalled, while_alive
+from .server_restarts import RESENDS_PER_ROLLOUT, ServerRestarts, foreign_labels
 from .vllm_backend import engine_weight_metadata, export_for_engine, make_sampling_params
 
 #: How the trainer starts the server it talks to, for error messages.
@@ -69,6 +71,15 @@ def logprobs_problem(logprobs: Iterable[float]) -> str | None:
 
 class VLLMServerError(RuntimeError):
     """The vLLM server answered with an error."""
+
+
+class ServerGone(VLLMServerError):
+    """The vLLM server could not be reached, dropped a request, or holds other weights than the trainer pushed (it
+    restarted): it went away, and may come back (``server_restarts.py``)."""
+
+
+#: The errors after which the work lost with the server is done again once it is back.
+SERVER_LOST = (ServerGone, ServerStalled)
 
 
 class VLLMServerAuthenticationError(VLLMServerError):
@@ -203,6 +214,17 @@ class VLLMServerClient:
         entry = self._request("POST", "/inference/v1/generate", json=body)["choices"][0]["logprobs"]["content"][0]
         return {top["token_id"]: top["logprob"] for top in [entry, *entry.get("top_logprobs", [])]}
 
+    def answers_health(self) -> bool:
+        """Whether the server answers its health check now."""
+        try:
+            return self._http.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def served_weights(self) -> str:
+        """The label of the weights the server holds: the version last pushed, or its own ("default")."""
+        return str(self._request("GET", "/weight_info")["weight_version"])
+
     def world_size(self) -> int:
         """The number of vLLM workers (tensor × pipeline × data parallel) that receive weights."""
         return int(self._request("GET", "/get_world_size")["world_size"])
@@ -268,10 +290,10 @@ class VLLMServerClient:
                 response = self._http.request(method, path, **kwargs)
             else:
                 response = asyncio.run(self._watched_request(method, path, kwargs))
+        except httpx.TransportError as error:
+            raise ServerGone(f"The vLLM server at {self.base_url} could not be reached for {path}: {error}") from error
         except httpx.HTTPError as error:
-            raise VLLMServerError(
-                f"The vLLM server at {self.base_url} could not be reached for {path}: {error}"
-            ) from error
+            raise VLLMServerError(f"The vLLM server at {self.base_url} failed on {path}: {error}") from error
         self._raise_if_refused(response, path)
         _raise_for_status(response, path)
         return response.json() if response.content else None
@@ -346,9 +368,7 @@ class VLLMServerClient:
         try:
             response = await http.post("/inference/v1/generate", json=body)
         except httpx.HTTPError as error:
-            raise VLLMServerError(
-                f"The vLLM server at {self.base_url} could not be reached to generate: {error}"
-            ) from error
+            raise ServerGone(f"The vLLM server at {self.base_url} could not be reached to generate: {error}") from error
         self._raise_if_refused(response, "/inference/v1/generate")
         _raise_for_status(response, "/inference/v1/generate")
         choice = response.json()["choices"][0]
@@ -443,6 +463,8 @@ class VLLMServerBackend(RolloutBackend):
         packed_buffer_bytes: int | None = None,
         api_key: str | None = None,
         stall_timeout: float | None = None,
+        generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]] | None = None,
+        restart_grace_period: float = 0.0,
     ):
         self.accelerator = accelerator
         self.settings = settings
@@ -454,6 +476,10 @@ class VLLMServerBackend(RolloutBackend):
         self.api_key = api_key
         self.transfer_backend = _transfer_backend(transfer_backend)
         self.packed_buffer_bytes = packed_buffer_bytes
+        # The policy opened for a push, for pushing it again to a server that came back; None: none comes back.
+        self.generation_model = generation_model
+        self.restarts = ServerRestarts(self.base_url, restart_grace_period if generation_model is not None else 0.0)
+        self._pushed_version: int | None = None  # the main process's last finished push
         self.client: VLLMServerClient | None = None
         self._transfer: Any = None
         self._source = _PolicyWeights()
@@ -502,31 +528,36 @@ class VLLMServerBackend(RolloutBackend):
         counts = gather_object([len(prompts)])
         fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
         all_fields = gather_object([fields] * len(prompts))
-        future = None
-        if self.accelerator.is_main_process:
-            first = self._requests_made
-            self._requests_made += len(all_prompts)
-            request_ids = [f"targetpo-{number}" for number in range(first, first + len(all_prompts))]
-            cancellation = Cancellation()
-            try:
-                if self._executor is None:
-                    raise RuntimeError(
-                        "This vLLM server backend was closed (`trainer.close()`): give the trainer a new rollout "
-                        "backend, or let it build its own, before generating again."
-                    )
-                future = self._executor.submit(
-                    self.client.generate, all_prompts, all_fields, all_seeds, request_ids, cancellation, all_image_urls
-                )
-            except Exception as error:  # e.g. closed: the error must reach every process, through result()
-                future = Future()
-                future.set_exception(error)
-            future.cancellation = cancellation
-            self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
+        request = (all_prompts, all_fields, all_seeds, all_image_urls) if self.accelerator.is_main_process else None
         first_row = sum(counts[: self.accelerator.process_index])
         local = slice(first_row, first_row + len(prompts))
         with_images = [bool(urls) for urls in all_image_urls]
         expected = (all_expanded, with_images) if any(with_images) else None
-        return _PendingServerCompletions(self, future, local, prompt_ids.device, expected)
+        return _PendingServerCompletions(self, request, local, prompt_ids.device, expected)
+
+    def send(self, request: tuple[list, list, list, list]) -> Future:
+        """Send ``request`` (every process's prompts, sampling fields, seeds and images) from the main process: the
+        future of the server's replies, with the cancellation that stops them (``future.cancellation``)."""
+        prompts, fields, seeds, image_urls = request
+        first = self._requests_made
+        self._requests_made += len(prompts)
+        request_ids = [f"targetpo-{number}" for number in range(first, first + len(prompts))]
+        cancellation = Cancellation()
+        try:
+            if self._executor is None:
+                raise RuntimeError(
+                    "This vLLM server backend was closed (`trainer.close()`): give the trainer a new rollout "
+                    "backend, or let it build its own, before generating again."
+                )
+            future = self._executor.submit(
+                self.client.generate, prompts, fields, seeds, request_ids, cancellation, image_urls
+            )
+        except Exception as error:  # e.g. closed: the error must reach every process, through result()
+            future = Future()
+            future.set_exception(error)
+        future.cancellation = cancellation
+        self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
+        return future
 
     def for_this_process(self) -> ServerRequests:
         """This process's own connection to the server, for episodes played ahead in a thread (no collectives). Called
@@ -544,9 +575,60 @@ class VLLMServerBackend(RolloutBackend):
     def sync_weights(self, model: nn.Module, version: int) -> None:
         with failures_reach_every_process("pushing the weights to the vLLM server", self.accelerator.device):
             if self.accelerator.is_main_process:
+                self._push_through_restarts(model, version)
+
+    def recovers_from(self, error: BaseException) -> bool:
+        return self.restarts.survived and isinstance(error, SERVER_LOST)
+
+    def reconnect(self, lost: BaseException, lost_requests: int) -> None:
+        """Collective, once ``lost`` told the server went away: wait for it to come back, then push the weights it
+        held to it again unless it still holds them (sharded weights are gathered for that on every process). The
+        caller sends its ``lost_requests`` again."""
+        main, waited = self.accelerator.is_main_process, 0.0
+        with failures_reach_every_process("waiting for the vLLM server to come back", self.accelerator.device):
+            if main:
+                waited = self._wait_for_return(lost)
+        held = self._transfer is not None  # on the main process: the same server, with the weights pushed last
+        with self.generation_model() as model:
+            with failures_reach_every_process("pushing the weights to the vLLM server", self.accelerator.device):
+                if main and not held and self._pushed_version is not None:
+                    self._push_through_restarts(model, self._pushed_version)
+        if main:
+            self.restarts.log_return(waited, self._pushed_version, held, lost_requests)
+
+    def _push_through_restarts(self, model: nn.Module, version: int) -> None:
+        """Push; to a server that goes away meanwhile, again once it is back within the grace period."""
+        waited: float | None = None
+        while True:
+            try:
                 self._push(model, version)
+            except SERVER_LOST as lost:
+                waited = (waited or 0.0) + self._wait_for_return(lost)
+                continue
+            break
+        if waited is not None:
+            self.restarts.log_return(waited, version, False, 0)
+
+    def _wait_for_return(self, lost: BaseException) -> float:
+        """Main process: seconds until the server that went away with ``lost`` answers again (checked as at start).
+        The weight transfer is dropped unless the server still holds the weights pushed last through it (a stalled
+        server that went on): a restarted server's workers are new."""
+        waited = self.restarts.wait_for_return(self.client.answers_health, lost)
+        self.client.wait_for_server()
+        self.client.check_sampled_logprobs()
+        if self._transfer is not None and self.client.served_weights() != str(self._pushed_version):
+            _quietly(self._transfer.shutdown)
+            self._transfer = None
+        return waited
 
     def _push(self, model: nn.Module, version: int) -> None:
+        if self._transfer is not None and self._pushed_version is not None:
+            served = self.client.served_weights()
+            if served != str(self._pushed_version):  # a restart no request saw: the transfer's peers are gone
+                raise ServerGone(
+                    f"The vLLM server at {self.base_url} holds weights labelled {served!r}, not those of step "
+                    f"{self._pushed_version} that the trainer pushed last: it restarted."
+                )
         if self._transfer is None:
             self._transfer = self._open_transfer()
         # Paused also with nothing in flight here while processes send requests of their own: a request arriving
@@ -562,6 +644,7 @@ class VLLMServerBackend(RolloutBackend):
             finally:
                 self._source.model = None
             self.client.forget_cached_activations()
+            self._pushed_version = version
         finally:
             if generating:
                 self.client.resume()
@@ -662,6 +745,7 @@ class ServerRequests(RolloutBackend):
         request_ids = [f"{self.request_prefix}-{number}" for number in range(first, first + len(prompts))]
         fields = self.fields if max_new_tokens is None else {**self.fields, "max_tokens": max_new_tokens}
         outputs = self.client.generate(prompts, fields, seeds, request_ids, self._cancellation, image_urls)
+        _refuse_foreign_weights(outputs, self.client.base_url)
         with_images = [bool(urls) for urls in image_urls]
         if any(with_images):
             check_expanded_prompts(expanded, [output["prompt_token_ids"] for output in outputs], with_images)
@@ -678,25 +762,29 @@ class _PendingServerCompletions(PendingCompletions):
     def __init__(
         self,
         backend: VLLMServerBackend,
-        future: Future | None,
+        request: tuple[list, list, list, list] | None,
         local: slice,
         device: torch.device,
         expanded_prompts: tuple[list[list[int]], list[bool]] | None = None,
     ):
         super().__init__()
-        self.backend, self.future, self.local, self.device = backend, future, local, device
+        self.backend, self.request, self.local, self.device = backend, request, local, device
+        self.future = None if request is None else backend.send(request)  # on the main process
         # Every row's prompt as the trainer holds it, and whether it has images: what the server's expansion must give.
         self.expanded_prompts = expanded_prompts
 
     def result(self) -> Completions:
         started = time.perf_counter()
-        reply: list[Any] = [None]
-        if self.future is not None:
-            try:
-                reply = [self.future.result()]
-            except Exception as error:  # handed to every process, which would otherwise wait for the reply forever
-                reply = [error]
-        reply = broadcast_object_list(reply)[0]
+        reply = self._reply()
+        # The same on every process: the reply was broadcast. The requests lost with the server go again once it is
+        # back with the weights they were sent for; a server that goes away each time they go stops training.
+        for _ in range(RESENDS_PER_ROLLOUT):
+            if not self.backend.recovers_from(reply):
+                break
+            self.backend.reconnect(reply, len(self.request[0]) if self.request is not None else 0)
+            if self.request is not None:
+                self.future = self.backend.send(self.request)
+            reply = self._reply()
         self.wait_seconds = time.perf_counter() - started
         if isinstance(reply, Exception):
             raise reply
@@ -705,9 +793,32 @@ class _PendingServerCompletions(PendingCompletions):
             check_expanded_prompts(expected, [output["prompt_token_ids"] for output in reply], with_images)
         return _server_completions(reply[self.local], self.backend.settings, self.device)
 
+    def _reply(self) -> list[Any] | Exception:
+        """The server's replies, or the error that came instead, on every process (handed to every process, which
+        would otherwise wait for the reply forever)."""
+        reply: list[Any] = [None]
+        if self.future is not None:
+            try:
+                outputs = self.future.result()
+                _refuse_foreign_weights(outputs, self.backend.base_url)
+                reply = [outputs]
+            except Exception as error:
+                reply = [error]
+        return broadcast_object_list(reply)[0]
+
     def cancel(self) -> None:
         if self.future is not None:
             self.future.cancellation.cancel()
+
+
+def _refuse_foreign_weights(outputs: list[dict[str, Any]], base_url: str) -> None:
+    """Raise :class:`ServerGone` for completions sampled by weights the trainer never pushed (a restarted server's)."""
+    foreign = foreign_labels(output["weight_versions"] for output in outputs)
+    if foreign:
+        raise ServerGone(
+            f"The vLLM server at {base_url} sampled with weights labelled {', '.join(map(repr, foreign))}, not ones "
+            "the trainer pushed: it restarted, and its completions are not trained on."
+        )
 
 
 def _check_same_key_everywhere(api_key: str | None) -> None:

@@ -292,8 +292,19 @@ class RolloutScheduler:
         if not bool(context.accelerator.gather(torch.tensor([same], device=context.accelerator.device)).all()):
             upcoming.cancel()  # e.g. a run resumed mid-epoch: the rows it guessed are not the ones to train on
             return None
+        played, lost = None, None
         with context.guard("playing the episodes ahead"):
-            return upcoming.played.result()
+            try:
+                played = upcoming.played.result()
+            except Exception as error:
+                if not self.backend.recovers_from(error):
+                    raise
+                lost = error
+        # Episodes lost with the server on any process are played again now, on every process, through the backend,
+        # which waits for the server to come back.
+        if bool(context.accelerator.gather(torch.tensor([lost is not None], device=context.accelerator.device)).any()):
+            return None
+        return played
 
     def start_generating(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: PromptImages | None
