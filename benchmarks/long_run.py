@@ -61,20 +61,16 @@ def process_resources() -> dict[str, Any]:
     """Resident memory (MiB), threads, open file descriptors and sockets of this process, now."""
     with open("/proc/self/status") as status:
         rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    descriptors = os.listdir("/proc/self/fd")
-    sockets = 0
-    for descriptor in descriptors:
-        try:
-            sockets += os.readlink(f"/proc/self/fd/{descriptor}").startswith("socket:")
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
+    from process_counts import descriptors, os_threads  # the tests' counts, read alike
+
+    open_files, sockets = descriptors()
     names = [thread.name for thread in threading.enumerate()]
     return {
         "rss_mib": round(rss_kib / 1024, 1),
         "threads": len(names),
         "tools_threads": names.count(TOOLS_THREAD),
-        "os_threads": len(os.listdir("/proc/self/task")),
-        "open_files": len(descriptors),
+        "os_threads": os_threads(),
+        "open_files": open_files,
         "sockets": sockets,
     }
 
@@ -152,6 +148,7 @@ def growth(samples: list[dict[str, Any]], warmup_steps: int, logging_steps: int)
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(REPOSITORY))  # this checkout's targetpo, whatever else is installed
+    sys.path.insert(1, str(REPOSITORY / "tests"))  # the tests' process counts
     example = load_example()
     runs = {"reverse": (["--max_steps", str(args.steps)], args.steps, example.EMBEDDED_DEFAULTS["logging_steps"])}
     if args.tool_steps > 0:

@@ -8,13 +8,13 @@ while a trainer that evaluated lives), and each later cycle must leave exactly a
 
 import gc
 import json
-import os
 import threading
 import time
 
 import pytest
 from conftest import make_config
 from multi_turn_workers import ScriptedPolicy, halving_search
+from process_counts import descriptors, os_threads
 
 from targetpo import TargetPOTrainer
 from targetpo.demo import (
@@ -57,17 +57,11 @@ def open_backends(monkeypatch):
 def resources(open_backends: set) -> dict:
     """What a leak would grow: Python threads by name, the OS's threads, open files, sockets, open rollout backends."""
     gc.collect()  # trainers let go of are collected, and close what they built
-    descriptors = os.listdir("/proc/self/fd")
-    sockets = 0
-    for descriptor in descriptors:
-        try:
-            sockets += os.readlink(f"/proc/self/fd/{descriptor}").startswith("socket:")
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
+    open_files, sockets = descriptors()
     return {
         "threads": sorted(thread.name for thread in threading.enumerate()),
-        "os_threads": len(os.listdir("/proc/self/task")),
-        "open_files": len(descriptors),
+        "os_threads": os_threads(),
+        "open_files": open_files,
         "sockets": sockets,
         "open_backends": len(open_backends),
     }
