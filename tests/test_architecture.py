@@ -69,6 +69,7 @@ FLOORS = {
         "rollout.scheduler",
         "rollout.no_signal",
         "rollout.scoring",
+        "rollout.ahead",
         "rollout.in_progress",
         "rollout",
     ],

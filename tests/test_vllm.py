@@ -873,6 +873,44 @@ def test_async_rollouts_sample_ahead_with_older_weights_and_correct_for_them(tmp
     assert checked > 0, "some completions must have been written wholly by older weights"
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_a_run_resumed_while_a_rollout_was_generated_ahead_trains_on_its_samples_as_straight_through(
+    tmp_path, served, monkeypatch
+):
+    """A checkpoint written while the next rollout is under way on the server waits for it and keeps it: the run
+    resumed from it trains on those completions (ids, sampling log-probs, weight versions) and ends at the weights of
+    the run straight through, to 1e-6, with the same staleness."""
+    trained = []  # (trainer, step, the step batch's completions and sampling log-probs)
+    original_loss = TargetPOTrainer.compute_loss
+
+    def recording_loss(self, model, inputs, *args, **kwargs):
+        kept = ("completion_ids", "sampler_per_token_logps")
+        trained.append((self, self.state.global_step, [inputs[key].clone() for key in kept]))
+        return original_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(TargetPOTrainer, "compute_loss", recording_loss)
+    settings = dict(world_size=1, async_rollouts=True, max_steps=2)
+    straight = make_trainer(server_config(tmp_path / "straight", served, save_strategy="steps", save_steps=1, **settings))
+    straight.train()
+    straight.close()
+    checkpoint = tmp_path / "straight" / "checkpoint-1"
+    assert (checkpoint / "rollout_ahead_0.pt").exists()
+    resumed = make_trainer(server_config(tmp_path / "resumed", served, **settings))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    resumed.close()
+
+    weights = [torch.cat([p.detach().flatten() for p in run.model.parameters()]) for run in (straight, resumed)]
+    assert torch.allclose(weights[1], weights[0], atol=1e-6), (weights[1] - weights[0]).abs().max()
+    batches = [[batch for run, step, batch in trained if run is trainer and step == 1] for trainer in (straight, resumed)]
+    assert len(batches[1]) == 1
+    for straight_tensor, resumed_tensor in zip(batches[0][0], batches[1][0]):
+        assert torch.equal(straight_tensor, resumed_tensor)
+    for name in ("rollout/staleness_max", "rollout/staleness_mean", "reward", "vllm/logp_abs_diff"):
+        assert logged(resumed, name) == pytest.approx(logged(straight, name)), name
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_sleep_mode_is_refused_where_vllm_has_none(tmp_path):
