@@ -32,6 +32,7 @@ FLOORS = {
         "generation.server_restarts",
         "generation.kv_cache",
         "generation.transformers_backend",
+        "generation.continuous_batching",
         "distributed",
         "faults.lost_processes",
         "faults.checkpoints",

@@ -113,8 +113,10 @@ def test_the_default_layout_counts_every_process_and_refuses_only_partial_groups
         (dict(vllm_importance_sampling_clip_max=0.0), "vllm_importance_sampling_clip_max must be > 0"),
         (dict(num_generations_eval=0), "num_generations_eval must be >= 1"),
         (dict(pad_to_multiple_of=0), "pad_to_multiple_of must be >= 1"),
-        (dict(use_transformers_continuous_batching=True), "not supported yet"),
-        (dict(use_transformers_paged=True), "not supported yet"),
+        (dict(use_transformers_continuous_batching=True, repetition_penalty=1.1), "cannot honour repetition_penalty"),
+        (dict(use_transformers_paged=True, repetition_penalty=1.1), "cannot honour repetition_penalty"),
+        (dict(transformers_continuous_batching_config={"pagesize": 64}), "keys \\['pagesize'\\] are not Continuous"),
+        (dict(transformers_continuous_batching_config="{not json"), "must be a dict or a JSON object"),
         (dict(vllm_structured_outputs_regex="[01]+"), "set use_vllm=True"),
         (dict(log_completions_hub_repo="me/completions"), "set log_completions=True"),
         (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in"),
@@ -515,8 +517,16 @@ def test_a_name_close_to_no_field_keeps_the_dataclass_message(tmp_path):
 
 #: For each of the config's combination rules (targetpo/config/rules.py), settings that break it alone, and its message.
 BROKEN_RULES = {
-    "continuous batching is not supported yet": (
-        dict(use_transformers_continuous_batching=True), r"use_transformers_paged\) is not supported yet"
+    "continuous batching or vLLM": (
+        dict(use_transformers_continuous_batching=True, use_vllm=True), "with vLLM: choose one"
+    ),
+    "continuous batching honours the sampling": (
+        dict(use_transformers_continuous_batching=True, generation_kwargs={"repetition_penalty": 1.2}),
+        "cannot honour repetition_penalty",
+    ),
+    "continuous batching's own settings": (
+        dict(transformers_continuous_batching_config={"return_logprobs": False}),
+        r"keys \['return_logprobs'\] are set by the trainer",
     ),
     "a sampling regex needs vLLM": (dict(vllm_structured_outputs_regex="a+"), "constrains vLLM's sampling"),
     "the Hub table needs the completions table": (

@@ -24,6 +24,7 @@ from .rules import (
     check_combinations,
     check_output_dir,
     parse_json_fields,
+    use_former_names,
     warn_about_unused_vllm_settings,
 )
 
@@ -350,13 +351,22 @@ class GRPOConfig(TrainingArguments):
     )
     use_transformers_continuous_batching: bool = field(
         default=False,
-        metadata={"help": "Generate with transformers' continuous-batching engine. Not supported yet: an error."},
+        metadata={
+            "help": "Without vLLM: generate rollouts with transformers' continuous-batching engine (paged KV cache, "
+            "each completion a request of its own) instead of padded `model.generate` batches. Refuses sampling "
+            "settings the engine cannot honour (repetition_penalty, ...); see docs/backends.md."
+        },
     )
     transformers_continuous_batching_config: dict | str | None = field(
-        default=None, metadata={"help": "Settings of transformers' continuous-batching engine (not supported yet)."}
+        default=None,
+        metadata={
+            "help": "Settings of the continuous-batching engine: `ContinuousBatchingConfig` fields as a dict, a JSON "
+            'string or a JSON file\'s path, e.g. \'{"page_size": 64, "num_blocks": 512}\'. Unset: a cache sized to '
+            "each rollout's requests."
+        },
     )
     use_transformers_paged: bool = field(
-        default=False, metadata={"help": "Former name of use_transformers_continuous_batching."}
+        default=False, metadata={"help": "Former name of use_transformers_continuous_batching (sets it)."}
     )
     generation_kwargs: dict | str | None = field(
         default=None,
@@ -607,7 +617,8 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Weight each token's gradient by the truncated ratio of the trainer's to vLLM's sampling "
-            "probability, correcting for the small differences between the two implementations. Switched off, with "
+            "probability (or transformers' continuous-batching engine's, with use_transformers_continuous_batching), "
+            "correcting for the small differences between the two implementations. Switched off, with "
             "a warning, when sampling settings reshape the distribution (top-p, top-k, min-p, penalties, ...)."
         },
     )
@@ -830,6 +841,7 @@ class GRPOConfig(TrainingArguments):
 
     def __post_init__(self):
         parse_json_fields(self)  # dict-valued fields arrive as JSON strings from the command line
+        use_former_names(self)
         super().__post_init__()
         check_output_dir(self)
         self.scale_rewards = scale_rewards_name(self.scale_rewards)

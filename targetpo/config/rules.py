@@ -38,6 +38,14 @@ VLLM_MODE_SETTINGS_WHY = {
     "--gpu-memory-utilization, --tensor-parallel-size, --max-model-len, ...).",
     "colocate": "the engine runs in the training processes, with no server to connect to.",
 }
+#: transformers_continuous_batching_config keys the trainer sets itself (ContinuousBatchingConfig fields).
+TRAINER_SET_ENGINE_FIELDS = (
+    "return_logprobs",
+    "seed",
+    "drop_unsupported_processors",
+    "per_request_processors",
+    "max_queue_size",
+)
 #: Dict-valued fields, which arrive as JSON strings from the command line.
 JSON_FIELDS = (
     "model_init_kwargs",
@@ -47,10 +55,17 @@ JSON_FIELDS = (
 )
 
 
+#: Dict-valued fields that may also name a JSON file.
+JSON_FILE_FIELDS = ("transformers_continuous_batching_config",)
+
+
 def parse_json_fields(config: Any) -> None:
-    """Each dict-valued field given as a JSON string, parsed in place."""
+    """Each dict-valued field given as a JSON string (or, where allowed, a JSON file's path), parsed in place."""
     for name in JSON_FIELDS:
         value = getattr(config, name)
+        if isinstance(value, str) and name in JSON_FILE_FIELDS and os.path.isfile(value):
+            with open(value, encoding="utf-8") as file:
+                value = file.read()
         if isinstance(value, str):
             try:
                 setattr(config, name, json.loads(value))
@@ -79,11 +94,61 @@ class Rule(NamedTuple):
     check: Callable[[Any], str | None]
 
 
-def _continuous_batching(config: Any) -> str | None:
-    if config.use_transformers_continuous_batching or config.use_transformers_paged:
+def use_former_names(config: Any) -> None:
+    """A field set by its former name sets the field (use_transformers_paged: use_transformers_continuous_batching)."""
+    if config.use_transformers_paged:
+        config.use_transformers_continuous_batching = True
+
+
+def _continuous_batching_or_vllm(config: Any) -> str | None:
+    if config.use_transformers_continuous_batching and config.use_vllm:
         return (
-            "use_transformers_continuous_batching (use_transformers_paged) is not supported yet: rollouts are "
-            "generated with `model.generate` (padded batches) or vLLM. Set use_vllm=True for continuous batching."
+            "use_transformers_continuous_batching=True generates with transformers' continuous-batching engine and "
+            "use_vllm=True with vLLM: choose one."
+        )
+    return None
+
+
+def _continuous_batching_sampling(config: Any) -> str | None:
+    if not config.use_transformers_continuous_batching:
+        return None
+    penalty = (config.generation_kwargs or {}).get("repetition_penalty", 1.0) if config.repetition_penalty == 1 else 0
+    if config.repetition_penalty != 1 or penalty != 1:
+        return (
+            "use_transformers_continuous_batching=True cannot honour repetition_penalty: the engine gives a logits "
+            "processor only each request's last token, not the tokens it penalises. Set repetition_penalty=1.0, or "
+            "set use_transformers_continuous_batching=False (model.generate honours it)."
+        )
+    if config.cache_implementation is not None:
+        return (
+            f"cache_implementation={config.cache_implementation!r} chooses model.generate's KV cache, and "
+            "use_transformers_continuous_batching=True generates over the engine's own paged cache: unset "
+            "cache_implementation, or set use_transformers_continuous_batching=False."
+        )
+    return None
+
+
+def _continuous_batching_settings(config: Any) -> str | None:
+    settings = config.transformers_continuous_batching_config
+    if settings is None:
+        return None
+    if not isinstance(settings, dict):
+        return f"transformers_continuous_batching_config must be a dict, got {type(settings).__name__}."
+    from transformers.generation import ContinuousBatchingConfig
+
+    known = {spec.name for spec in dataclasses.fields(ContinuousBatchingConfig)}
+    unknown = sorted(key for key in settings if key not in known)
+    if unknown:
+        return (
+            f"transformers_continuous_batching_config keys {unknown} are not ContinuousBatchingConfig fields "
+            f"(page_size, num_blocks, max_batch_tokens, max_memory_percent, max_requests_per_batch, ...): remove them."
+        )
+    owned = sorted(key for key in settings if key in TRAINER_SET_ENGINE_FIELDS)
+    if owned:
+        return (
+            f"transformers_continuous_batching_config keys {owned} are set by the trainer (the sampled tokens' "
+            "log-probs are always returned, the engine samples from the run's seed, and a sampling setting the engine "
+            "cannot honour is refused, never dropped): remove them."
         )
     return None
 
@@ -210,7 +275,9 @@ def _dict_fields(config: Any) -> str | None:
 
 #: The combinations of settings the config refuses, checked in this order (each field's own range first).
 RULES = (
-    Rule("continuous batching is not supported yet", _continuous_batching),
+    Rule("continuous batching or vLLM", _continuous_batching_or_vllm),
+    Rule("continuous batching honours the sampling", _continuous_batching_sampling),
+    Rule("continuous batching's own settings", _continuous_batching_settings),
     Rule("a sampling regex needs vLLM", _regex_needs_vllm),
     Rule("the Hub table needs the completions table", _hub_table_needs_completions),
     Rule("a synced reference needs the KL term", _synced_reference_needs_kl),
@@ -240,6 +307,8 @@ def warn_about_unused_vllm_settings(config: Any) -> None:
     use_vllm=False), and one mode's settings in the other (the colocated engine's memory share in server mode)."""
     if not config.use_vllm:
         names = [spec.name for spec in dataclasses.fields(config) if spec.name.startswith("vllm_") and spec.init]
+        if config.use_transformers_continuous_batching:  # its engine reports sampling log-probs too
+            names = [name for name in names if not name.startswith("vllm_importance_sampling")]
         why = "with use_vllm=False: rollouts are generated with model.generate. Set use_vllm=True to generate "
         why += "with vLLM."
     else:

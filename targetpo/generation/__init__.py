@@ -1,5 +1,6 @@
-"""Rollout backends behind one interface (``base.py``): ``model.generate``, a vLLM engine in each training process,
-or a ``vllm serve`` process. :func:`build_rollout_backend` picks the one the config asks for."""
+"""Rollout backends behind one interface (``base.py``): ``model.generate``, transformers' continuous batching, a vLLM
+engine in each training process, or a ``vllm serve`` process. :func:`build_rollout_backend` picks the one the config
+asks for."""
 
 from __future__ import annotations
 
@@ -48,12 +49,39 @@ def build_rollout_backend(
     max_model_len: int | None,
     tokenizer: Any = None,
 ) -> RolloutBackend:
-    """The backend the config asks for: ``use_vllm`` and ``vllm_mode`` choose among the three."""
+    """The backend the config asks for: ``use_vllm`` and ``vllm_mode`` choose among vLLM's two, and
+    ``use_transformers_continuous_batching`` between transformers' two."""
+    if not args.use_vllm and args.use_transformers_continuous_batching:
+        return _continuous_batching_backend(args, accelerator, policy, settings, generation_model, sharded)
     if not args.use_vllm:
         return TransformersBackend(settings, generation_model, synced_gpus=sharded and accelerator.num_processes > 1)
     if args.vllm_mode == "server":
         return _server_backend(args, accelerator, policy, settings, generation_model)
     return _colocate_backend(args, accelerator, policy, settings, max_model_len, tokenizer)
+
+
+def _continuous_batching_backend(
+    args: Any,
+    accelerator: Any,
+    policy: nn.Module,
+    settings: SamplingSettings,
+    generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]],
+    sharded: bool,
+) -> RolloutBackend:
+    """transformers' continuous-batching engine over the policy, refused where the policy's weights are sharded."""
+    from .continuous_batching import ContinuousBatchingBackend
+
+    if sharded and accelerator.num_processes > 1:
+        raise ValueError(
+            "use_transformers_continuous_batching=True cannot generate from sharded weights (DeepSpeed ZeRO-3, FSDP): "
+            "the engine runs the model's forward passes on a thread of its own, as many as each process's requests "
+            "need, while sharded weights make every forward pass a collective that all processes must run together. "
+            "Set use_transformers_continuous_batching=False (model.generate steps the processes together), or use "
+            "use_vllm=True."
+        )
+    return ContinuousBatchingBackend(
+        settings, generation_model, policy, engine_settings=args.transformers_continuous_batching_config
+    )
 
 
 def _server_backend(

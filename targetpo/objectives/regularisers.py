@@ -164,9 +164,11 @@ class ImportanceWeights:
 
 
 def importance_sampling_applies(args: Any, sampling: Any) -> bool:
-    """Whether the vLLM importance-sampling correction runs: asked for, and sampling not reshaped (a warning says why
-    when it is); a warning too when async rollouts go without it."""
-    applies = args.use_vllm and args.vllm_importance_sampling_correction
+    """Whether the importance-sampling correction runs: asked for, with an engine that reports its sampling log-probs
+    (vLLM, transformers' continuous batching), and sampling not reshaped (a warning says why when it is); a warning
+    too when async rollouts go without it."""
+    engine_reports_logps = args.use_vllm or args.use_transformers_continuous_batching
+    applies = engine_reports_logps and args.vllm_importance_sampling_correction
     if applies and sampling.reshapes_distribution:
         # vLLM reports log-probs after truncation and penalties, the trainer's are of the tempered distribution:
         # their ratio would measure the truncation, not an implementation mismatch.
