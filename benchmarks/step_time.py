@@ -33,6 +33,13 @@ micro-steps of one optimiser step (``--batch_size 16 --steps_per_generation 1`` 
     python benchmarks/step_time.py --device cuda --dtype bfloat16 --model qwen2 --trainers targetpo trl \
         --num_generations 16 --batch_size 2 --steps_per_generation 8 --gradient_accumulation_steps 8 \
         --completion_length 4096 --num_iterations 1 --steps 4 --warmup 1 --rounds 1
+
+The whole step on each trainer's best path without vLLM (``--rollouts continuous_batching``: transformers'
+continuous batching in both), on a task where most groups carry no signal (``--reward sparse``) and on a dense one:
+
+    python benchmarks/step_time.py --device cuda --dtype bfloat16 --model qwen2 --trainers targetpo trl \
+        --rollouts continuous_batching --reward sparse --batch_size 256 --num_generations 8 \
+        --completion_length 1024 --num_iterations 1 --steps 6 --warmup 2 --rounds 2
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -131,6 +139,12 @@ def parse_args() -> argparse.Namespace:
     add_qwen2_shape_arguments(parser)
     parser.add_argument("--prompt_length", type=int, default=64, help="Prompt tokens (qwen2 model).")
     parser.add_argument("--completion_length", type=int, default=256, help="max_completion_length (qwen2 model).")
+    parser.add_argument("--rollouts", choices=("generate", "continuous_batching"), default="generate",
+                        help="Every trainer's non-vLLM generation path: padded model.generate, or transformers' "
+                        "continuous batching (use_transformers_continuous_batching, in both trainers).")
+    parser.add_argument("--reward", choices=("dense", "sparse"), default="dense",
+                        help="qwen2 model: the fraction of even token ids (every group has signal), or 1 for about "
+                        "one completion in 64 (a hash of its tokens) and 0 otherwise (most groups have none).")
     parser.add_argument("--output", default=None)
     return parser.parse_args()
 
@@ -174,6 +188,12 @@ def even_token_fraction(completions: list[str], **kwargs) -> list[float]:
     return scores
 
 
+def rare_success(completions: list[str], **kwargs) -> list[float]:
+    """A sparse reward: 1 for a completion whose tokens hash to 0 modulo 64 (about one in 64), else 0. With K = 8
+    about one group in eight has a completion that differs from the others."""
+    return [float(zlib.crc32(completion.encode()) % 64 == 0) for completion in completions]
+
+
 def build_qwen2(args: argparse.Namespace, tokenizer):
     """The Qwen2-shaped model with random weights (seed 0), in ``args.dtype`` on ``args.device``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -208,7 +228,7 @@ class Task:
         else:
             self.tokenizer = word_tokenizer(args.vocab_size)
             self.dataset = random_prompts_dataset(args.vocab_size, args.prompt_length, num_prompts=1024, seed=0)
-            self.reward = even_token_fraction
+            self.reward = even_token_fraction if args.reward == "dense" else rare_success
             self.completion_length = args.completion_length
             self.generation_kwargs = None
             self._model = build_qwen2(args, self.tokenizer)
@@ -241,6 +261,8 @@ def shared_settings(args: argparse.Namespace, task: Task, num_iterations: int, o
     )
     if task.generation_kwargs is not None:
         settings["generation_kwargs"] = task.generation_kwargs
+    if args.rollouts == "continuous_batching":  # the same field in both trainers' configs
+        settings["use_transformers_continuous_batching"] = True
     if args.device == "cpu":
         settings["use_cpu"] = True
     return settings
@@ -404,7 +426,8 @@ def save(args: argparse.Namespace, task: Task, results: list[dict]) -> None:
     if not args.output:
         return
     # The settings the CPU benchmark has always saved, and those of the GPU setting where they are used.
-    defaults = {"trainers": list(TRAINERS), "device": "cpu", "dtype": "float32", "model": "demo"}
+    defaults = {"trainers": list(TRAINERS), "device": "cpu", "dtype": "float32", "model": "demo", "rollouts": "generate",
+                "reward": "dense"}
     settings = {
         key: value for key, value in vars(args).items()
         if not (key in defaults and value == defaults[key]) and not (key in QWEN2_SETTINGS and args.model == "demo")
