@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,6 +239,37 @@ class RolloutBackend:
 
     def close(self) -> None:
         """Release the engine, connections and helper processes."""
+
+
+class PolicySessions:
+    """For a backend that generates with the policy module itself (no engine, no weights of its own), opened by
+    ``generation_model`` (unwrapped, sharded weights gathered): a :meth:`RolloutBackend.session` opens it once for all
+    its calls, not once per call (per turn of a multi-turn rollout). List it before :class:`RolloutBackend`."""
+
+    generation_model: Callable[[], contextlib.AbstractContextManager[nn.Module]]
+    _session_model: nn.Module | None = None  # the policy opened for generation, during a session
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        if self._session_model is not None:
+            yield
+            return
+        with self.generation_model() as model:
+            self._session_model = model
+            try:
+                yield
+            finally:
+                self._session_model = None
+                self._session_ended()
+
+    def _session_ended(self) -> None:
+        """Drop what the session's calls kept for each other: outside a session the weights may change."""
+
+    def _opened_model(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The policy for one call: the session's, or opened for the call alone."""
+        if self._session_model is not None:
+            return contextlib.nullcontext(self._session_model)
+        return self.generation_model()
 
 
 def close_at_exit(backend: RolloutBackend) -> None:

@@ -20,7 +20,7 @@ from transformers.generation import ContinuousBatchingConfig
 from transformers.generation import logits_process as processors
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from .base import Completions, PromptImages, RolloutBackend, pad_completions, unpadded_prompts
+from .base import Completions, PolicySessions, PromptImages, RolloutBackend, pad_completions, unpadded_prompts
 from .sampling import SamplingSettings
 
 #: The logits processors the engine applies to each request's next-token scores alone, as ``model.generate`` does:
@@ -42,7 +42,7 @@ ROW_WISE_PROCESSORS = (
 IGNORED_GENERATION_SETTINGS = ("max_time", "min_new_tokens", "min_length")
 
 
-class ContinuousBatchingBackend(RolloutBackend):
+class ContinuousBatchingBackend(PolicySessions, RolloutBackend):
     """Samples completions with transformers' continuous-batching engine (``init_continuous_batching``) over the
     policy itself: each row's prompt, unpadded, is a request; a row stops at its own EOS or length limit, and its slot
     is given to the next request at once.
@@ -72,28 +72,10 @@ class ContinuousBatchingBackend(RolloutBackend):
         self.engine_settings = dict(engine_settings or {})
         self.generation_config = engine_generation_config(settings)
         check_engine_sampling(engine_model(policy), self.generation_config)
-        self._session_model: nn.Module | None = None
         self.cache_sizes: list[int] = []  # each call's cache, in bytes: sized per call, freed after it
 
     def describe(self) -> str:
         return "transformers continuous batching"
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        if self._session_model is not None:
-            yield
-            return
-        with self.generation_model() as model:
-            self._session_model = model
-            try:
-                yield
-            finally:
-                self._session_model = None
-
-    def _opened_model(self) -> contextlib.AbstractContextManager[nn.Module]:
-        if self._session_model is not None:
-            return contextlib.nullcontext(self._session_model)
-        return self.generation_model()
 
     @torch.no_grad()
     def generate(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from .base import Completions, PromptImages, RolloutBackend, completion_masks
+from .base import Completions, PolicySessions, PromptImages, RolloutBackend, completion_masks
 from .kv_cache import CacheReuse, TurnCache, cache_problem, continuation_problem
 from .sampling import SamplingSettings
 
@@ -24,7 +24,7 @@ PLAIN_TENSOR_OUTPUT = (
 )
 
 
-class TransformersBackend(RolloutBackend):
+class TransformersBackend(PolicySessions, RolloutBackend):
     """Samples completions with ``model.generate`` from the policy itself: no engine, no weights of its own.
 
     ``generation_model`` opens the policy as ``generate`` needs it (unwrapped, sharded weights gathered). With
@@ -52,7 +52,6 @@ class TransformersBackend(RolloutBackend):
         self.synced_gpus = synced_gpus
         self.collective = synced_gpus
         self.generation_config = settings.generation_config()
-        self._session_model: nn.Module | None = None  # the policy opened for generation, during a session
         self.reuse_kv_cache = reuse_kv_cache
         self.cache_reuse = CacheReuse()
         self._turn_cache: TurnCache | None = None  # the last call's cache, during a session
@@ -60,24 +59,8 @@ class TransformersBackend(RolloutBackend):
     def describe(self) -> str:
         return "model.generate"
 
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        # Sharded weights are gathered once for all the turns, not once per turn.
-        if self._session_model is not None:
-            yield
-            return
-        with self.generation_model() as model:
-            self._session_model = model
-            try:
-                yield
-            finally:
-                # Outside a session the weights may change: a cache never outlives its session.
-                self._session_model = self._turn_cache = None
-
-    def _opened_model(self) -> contextlib.AbstractContextManager[nn.Module]:
-        if self._session_model is not None:
-            return contextlib.nullcontext(self._session_model)
-        return self.generation_model()
+    def _session_ended(self) -> None:
+        self._turn_cache = None  # a cache never outlives its session
 
     @torch.no_grad()
     def generate(
