@@ -48,6 +48,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -158,6 +159,10 @@ def add_qwen2_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num_kv_heads", type=int, default=2)
     parser.add_argument("--intermediate_size", type=int, default=4864)
     parser.add_argument("--vocab_size", type=int, default=151936)
+    parser.add_argument("--eos_probability", type=float, default=None,
+                        help="qwen2 model: set its weights so that EOS comes with about this probability at every "
+                        "step (1/400: lengths spread from a few tokens to past 1,024); unset, completions run to the "
+                        "length limit.")
 
 
 def word_tokenizer(vocab_size: int):
@@ -210,7 +215,28 @@ def build_qwen2(args: argparse.Namespace, tokenizer):
         model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if getattr(args, "eos_probability", None) is not None:
+        ending_at_random(model, tokenizer.eos_token_id, args.eos_probability, args.prompt_length)
     return model.to(args.device, getattr(torch, args.dtype))
+
+
+@torch.no_grad()
+def ending_at_random(model, eos_id: int, probability: float, prompt_length: int) -> None:
+    """Make a random-weight model end its completions with about ``probability`` at every step, so that completion
+    lengths spread as a trained model's do (geometrically). Every token's embedding gets the same value in one
+    dimension, which the final norm turns into a large, steady component of every hidden state; through the tied
+    head that adds the same logit to every token, except EOS, whose entry is set so that its probability under
+    sampling without top-k or top-p is about ``probability``. The rest of the model stays random."""
+    embeddings = model.get_input_embeddings().weight
+    embeddings[:, 0] = 1.0
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, embeddings.size(0), (16, prompt_length), generator=generator, device=embeddings.device)
+    hidden = model.model(prompts.to(embeddings.device)).last_hidden_state[:, -1].float()
+    logits = hidden @ model.get_output_embeddings().weight.float().T
+    steady = hidden[:, 0].mean()
+    # log p(EOS) = logit(EOS) - logsumexp(logits): moving EOS's entry by delta moves its logit by delta * steady.
+    delta = (math.log(probability) + torch.logsumexp(logits, -1).mean() - logits[:, eos_id].mean()) / steady
+    embeddings[eos_id, 0] += delta.item()
 
 
 class Task:

@@ -22,6 +22,7 @@ from targetpo import TargetPOTrainer
 from targetpo.data import RepeatSampler
 from targetpo.demo import GuessingGame, build_char_tokenizer, build_tiny_causal_lm, guessing_tokenizer
 from targetpo.generation import RolloutBackend
+from targetpo.generation.server_restarts import ServerRestarts
 from targetpo.generation.vllm_server import ServerGone
 from targetpo.rollout import scheduler as scheduler_module
 
@@ -345,6 +346,7 @@ class RecordingClient:
 
     events = []
     replies = []  # what the next generate call answers
+    healthy = []  # what the next health checks answer (then: healthy)
 
     def __init__(self, base_url, timeout, api_key=None, stall_timeout=None):
         self.base_url, self.weight_version = base_url, None
@@ -352,6 +354,9 @@ class RecordingClient:
 
     def served_weights(self):
         return str(self.served)
+
+    def answers_health(self):
+        return self.healthy.pop(0) if self.healthy else True
 
     def wait_for_server(self):
         pass
@@ -435,4 +440,57 @@ def test_a_completion_of_a_connection_of_its_own_is_tagged_with_the_oldest_weigh
     ids = torch.tensor([[7, 8], [7, 8], [7, 8]])
     completions = own.generate(ids, torch.ones_like(ids))
     assert completions.weight_versions.tolist() == [3, 4, -1]
+    backend.close()
+
+
+class BrokenTransfer(RecordingTransfer):
+    def send_weights(self):
+        self.client.events.append(f"send {self.client.weight_version} (broken off)")
+        raise RuntimeError("Connection closed by peer")
+
+
+@pytest.mark.parametrize("server_answers", [True, False], ids=["server-still-up", "server-gone"])
+def test_a_push_broken_off_drops_its_transfer_and_keeps_the_server_paused_until_the_push_is_made_again(
+    monkeypatch, server_answers
+):
+    """With a grace period: a transfer that failed part-way is never used again, and the server, whose weights may be
+    half replaced under the old label, stays paused (nothing is sampled from them) until a push succeeds. A server
+    that no longer answers went away: waited for, then pushed to again; one that still answers stops training."""
+    backend = server_backend(monkeypatch)
+    backend.restarts = ServerRestarts(backend.base_url, grace_period=5)
+    backend.for_this_process()  # every push pauses the server
+    model = torch.nn.Linear(2, 2)
+    backend.sync_weights(model, 0)
+    backend._transfer = BrokenTransfer(backend.client)
+    monkeypatch.setattr(backend, "_open_transfer", lambda: RecordingTransfer(backend.client))
+    monkeypatch.setattr(RecordingClient, "healthy", [server_answers, False])  # gone: back at the second check
+    RecordingClient.events.clear()
+    if server_answers:
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            backend.sync_weights(model, 1)
+        assert RecordingClient.events == ["pause", "send 1 (broken off)"] and backend._transfer is None
+        backend.sync_weights(model, 1)  # the next push opens a transfer of its own, then resumes the server
+        assert RecordingClient.events[2:] == ["pause", "send 1", "forget caches", "resume"]
+    else:
+        backend.sync_weights(model, 1)
+        assert RecordingClient.events == ["pause", "send 1 (broken off)", "pause", "send 1", "forget caches", "resume"]
+        assert backend.restarts.count == 1
+    assert backend.client.served == "1"
+    backend.close()
+
+
+def test_a_push_that_loses_the_server_every_time_stops_training_after_a_bounded_number_of_tries(monkeypatch):
+    """A server that the push itself brings down each time (out of memory while loading, say) is pushed to again
+    TRIES_AFTER_A_LOSS times, then training stops with the loss; it does not loop for ever."""
+    from targetpo.generation.server_restarts import TRIES_AFTER_A_LOSS
+
+    backend = server_backend(monkeypatch)
+    backend.restarts = ServerRestarts(backend.base_url, grace_period=5)
+    backend._transfer = BrokenTransfer(backend.client)
+    monkeypatch.setattr(backend, "_open_transfer", lambda: BrokenTransfer(backend.client))
+    monkeypatch.setattr(RecordingClient, "healthy", [False, True] * (TRIES_AFTER_A_LOSS + 1))  # gone, then back
+    with pytest.raises(ServerGone, match="went away during a weight push"):
+        backend.sync_weights(torch.nn.Linear(2, 2), 1)
+    assert backend.restarts.count == TRIES_AFTER_A_LOSS
+    assert RecordingClient.events.count("send 1 (broken off)") == TRIES_AFTER_A_LOSS + 1
     backend.close()

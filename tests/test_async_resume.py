@@ -21,7 +21,9 @@ from test_multi_turn import guessing_trainer
 
 from targetpo import TargetPOTrainer
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm, guessing_tokenizer
+from targetpo.faults.checkpoints import CheckpointWriteError
 from targetpo.generation import PendingCompletions, RolloutBackend, completion_masks
+from targetpo.generation.vllm_server import ServerGone
 
 LETTERS = "abcdefgh"
 
@@ -214,3 +216,73 @@ def test_a_run_resumed_without_async_rollouts_samples_the_rollout_ahead_again_an
     resumed.close()
     assert logged(resumed, "rollout/staleness_max") == [0, 0]  # the checkpoint's log, then a rollout made now
     assert resumed_samples != [sample for sample in straight_samples if sample[0] >= 1]
+
+
+class LosesTheServerOnceAhead(OwnConnection):
+    """The process's own connection finds the server gone on the first episodes played ahead."""
+
+    def __init__(self, server):
+        super().__init__(server)
+        self.lost = False
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None):
+        if not self.lost:
+            self.lost = True
+            raise ServerGone("The vLLM server at http://stand-in could not be reached to generate: connection refused")
+        return super().generate(prompt_ids, prompt_mask, max_new_tokens)
+
+
+class GuessingServerThatComesBack(GuessingServer):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.own = LosesTheServerOnceAhead(self)
+
+    def recovers_from(self, error):
+        return isinstance(error, ServerGone)
+
+
+def test_episodes_ahead_lost_with_the_server_at_a_checkpoint_are_left_out_of_it_and_played_again(tmp_path, monkeypatch):
+    """The checkpoint of step 1 waits for the episodes played ahead, which the server lost: with a server that comes
+    back they are not the checkpoint's to keep; the next step plays them again, on the training thread."""
+    serve(monkeypatch, GuessingServerThatComesBack(guessing_tokenizer()))
+    settings = dict(use_vllm=True, vllm_mode="server", async_rollouts=True, max_steps=3)
+    trainer = guessing_trainer(tmp_path, save_strategy="steps", save_steps=1, **settings)
+    trainer.train()
+    trainer.close()
+    checkpoints = tmp_path / "out"
+    assert not (checkpoints / "checkpoint-1" / "rollout_ahead_0.pt").exists()
+    assert (checkpoints / "checkpoint-2" / "rollout_ahead_0.pt").exists()
+    assert logged(trainer, "rollout/staleness_max") == [0, 0, 1]  # rollout 1 played again at step 1's weights
+
+
+class FailingLater(PendingCompletions):
+    """A generation under way that fails when its result is asked for."""
+
+    def result(self):
+        raise RuntimeError("the server failed on this rollout")
+
+
+class FailsAhead(VersionedServer):
+    """A server whose second rollout, generated ahead, fails."""
+
+    starts = 0
+
+    def start(self, prompt_ids, prompt_mask, max_new_tokens=None, images=None):
+        self.starts += 1
+        if self.starts == 2:
+            return FailingLater()
+        return super().start(prompt_ids, prompt_mask, max_new_tokens, images)
+
+
+def test_a_rollout_ahead_that_fails_while_a_checkpoint_waits_for_it_stops_training_with_its_own_error(
+    tmp_path, monkeypatch
+):
+    """Not a failure to write the checkpoint: the rollout's own error comes out, and the partial checkpoint is gone."""
+    serve(monkeypatch, FailsAhead(build_char_tokenizer()))
+    trainer = letters_trainer(tmp_path, [], save_strategy="steps", save_steps=1)
+    with pytest.raises(RuntimeError, match="the server failed on this rollout") as raised:
+        trainer.train()
+    trainer.close()
+    assert not isinstance(raised.value, CheckpointWriteError)
+    assert trainer.state.global_step == 1
+    assert sorted(path.name for path in (tmp_path / "out").iterdir() if "checkpoint" in path.name) == []

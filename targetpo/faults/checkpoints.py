@@ -37,6 +37,12 @@ class CheckpointWriteError(OSError):
     ``errno`` is the failed write's, when one is known (``errno.ENOSPC`` for a full disk)."""
 
 
+class NotTheWrite(Exception):
+    """Raised from inside a checkpoint's save for a failure that is not the checkpoint's own (the rollout it waits
+    for, say): the partial checkpoint is removed and the failure, this error's cause, raised as it is, not as a
+    :class:`CheckpointWriteError`."""
+
+
 class AtomicCheckpoints:
     """Stages the Trainer's checkpoints and moves each into place whole (see the module's docstring).
 
@@ -84,6 +90,9 @@ class AtomicCheckpoints:
                     state.save_to_json(os.path.join(staging, name, TRAINER_STATE_NAME))
             if self.args.should_save:
                 _move_into_place(os.path.join(staging, name), final)
+        except NotTheWrite as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise error.__cause__ from None
         except Exception as error:
             raise _write_failed(error, final, staging) from error
         finally:

@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds at most between two health checks of a server that went away.
 CHECK_INTERVAL = 1.0
-#: How many times a rollout's requests go again to a server that came back; one lost each time stops training (a
-#: server that a rollout kills, say, out of memory each time).
-RESENDS_PER_ROLLOUT = 3
+#: How many times work lost with the server (a rollout's requests, a weight push) is done again once it is back; lost
+#: once more, it stops training (a server that the work itself kills each time, say out of memory).
+TRIES_AFTER_A_LOSS = 3
 
 
 class ServerNotBack(TimeoutError):

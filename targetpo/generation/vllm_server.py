@@ -43,7 +43,7 @@ from .base import (
 from .sampling import SamplingSettings
 from .server_auth import KEY_VARIABLE, authorization_headers
 from .server_liveness import ServerStalled, while_alive
-from .server_restarts import RESENDS_PER_ROLLOUT, ServerRestarts, foreign_labels
+from .server_restarts import TRIES_AFTER_A_LOSS, ServerRestarts, foreign_labels
 from .vllm_backend import engine_weight_metadata, export_for_engine, make_sampling_params
 
 #: How the trainer starts the server it talks to, for error messages.
@@ -480,6 +480,7 @@ class VLLMServerBackend(RolloutBackend):
         self.generation_model = generation_model
         self.restarts = ServerRestarts(self.base_url, restart_grace_period if generation_model is not None else 0.0)
         self._pushed_version: int | None = None  # the main process's last finished push
+        self._left_paused = False  # a failed push left the server paused until the push is made again
         self.client: VLLMServerClient | None = None
         self._transfer: Any = None
         self._source = _PolicyWeights()
@@ -599,13 +600,14 @@ class VLLMServerBackend(RolloutBackend):
     def _push_through_restarts(self, model: nn.Module, version: int) -> None:
         """Push; to a server that goes away meanwhile, again once it is back within the grace period."""
         waited: float | None = None
-        while True:
+        for tries_left in range(TRIES_AFTER_A_LOSS, -1, -1):
             try:
                 self._push(model, version)
+                break
             except SERVER_LOST as lost:
+                if tries_left == 0 or not self.restarts.survived:
+                    raise
                 waited = (waited or 0.0) + self._wait_for_return(lost)
-                continue
-            break
         if waited is not None:
             self.restarts.log_return(waited, version, False, 0)
 
@@ -633,7 +635,9 @@ class VLLMServerBackend(RolloutBackend):
             self._transfer = self._open_transfer()
         # Paused also with nothing in flight here while processes send requests of their own: a request arriving
         # mid-push would otherwise be sampled from half-replaced weights. New requests wait for the resume.
-        generating = self._processes_send_requests or any(not future.done() for future in self._in_flight)
+        generating = (
+            self._left_paused or self._processes_send_requests or any(not future.done() for future in self._in_flight)
+        )
         if generating:
             self.client.pause()
         try:
@@ -645,9 +649,30 @@ class VLLMServerBackend(RolloutBackend):
                 self._source.model = None
             self.client.forget_cached_activations()
             self._pushed_version = version
-        finally:
-            if generating:
-                self.client.resume()
+        except Exception as error:
+            self._failed_push(error, generating)
+            raise
+        if generating:
+            self.client.resume()
+            self._left_paused = False
+
+    def _failed_push(self, error: Exception, paused: bool) -> None:
+        """After a push that failed part-way: its transfer cannot be used again, and the server's weights may be half
+        replaced under the old label. Where the push will be made again (a grace period) a paused server stays paused
+        until then, so no request is sampled from them; and a failure of the transfer itself on a server that no
+        longer answers is the server going away (raised as :class:`ServerGone`)."""
+        if self._transfer is not None:
+            _quietly(self._transfer.shutdown)
+            self._transfer = None
+        if not self.restarts.survived:
+            if paused:
+                _quietly(self.client.resume)
+            return
+        self._left_paused = self._left_paused or paused
+        if not isinstance(error, SERVER_LOST) and not self.client.answers_health():
+            raise ServerGone(
+                f"The vLLM server at {self.base_url} went away during a weight push ({type(error).__name__}: {error})."
+            ) from error
 
     def _open_transfer(self) -> Any:
         """Join the server's workers in a transfer group (this process is its rank 0)."""
@@ -778,7 +803,7 @@ class _PendingServerCompletions(PendingCompletions):
         reply = self._reply()
         # The same on every process: the reply was broadcast. The requests lost with the server go again once it is
         # back with the weights they were sent for; a server that goes away each time they go stops training.
-        for _ in range(RESENDS_PER_ROLLOUT):
+        for _ in range(TRIES_AFTER_A_LOSS):
             if not self.backend.recovers_from(reply):
                 break
             self.backend.reconnect(reply, len(self.request[0]) if self.request is not None else 0)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..faults.checkpoints import NotTheWrite
 from ..generation import PendingCompletions
 from .scheduler import EpisodesAhead, RolloutScheduler, UpcomingRollout
 
@@ -43,7 +44,13 @@ class RolloutAhead:
         upcoming = self.scheduler.upcoming
         if upcoming is None:  # the same on every process
             return
-        state = {"made_with": self._made_with(), "rollout": self._finished(upcoming)}
+        try:
+            finished = self._finished(upcoming)
+        except Exception as error:  # the rollout's failure, not the checkpoint's
+            raise NotTheWrite() from error
+        if finished is None:
+            return
+        state = {"made_with": self._made_with(), "rollout": finished}
         written = io.BytesIO()
         try:  # pickled before the file is opened: a full disk is the checkpoint's error, not this one
             torch.save(state, written)
@@ -77,12 +84,23 @@ class RolloutAhead:
         self.scheduler.upcoming = restored
 
     # ------------------------------------------------------------------------------------------------ saving
-    def _finished(self, upcoming: UpcomingRollout | EpisodesAhead) -> dict[str, Any]:
-        """What the rollout under way made, once it has finished; training later takes the same, not made twice."""
-        context = self.scheduler.context
+    def _finished(self, upcoming: UpcomingRollout | EpisodesAhead) -> dict[str, Any] | None:
+        """What the rollout under way made, once it has finished; training later takes the same, not made twice.
+        None where its episodes were lost with a server that may come back: they are played again when needed, as
+        :meth:`RolloutScheduler.take_played` does."""
+        context, scheduler = self.scheduler.context, self.scheduler
         if isinstance(upcoming, EpisodesAhead):
+            played, lost = None, False
             with context.guard("playing the episodes ahead"):
-                played = upcoming.played.result()
+                try:
+                    played = upcoming.played.result()
+                except Exception as error:
+                    if not scheduler.backend.recovers_from(error):
+                        raise
+                    lost = True
+            if bool(context.accelerator.gather(torch.tensor([lost], device=context.accelerator.device)).any()):
+                scheduler.upcoming = None  # the same on every process: played again, now, when it is needed
+                return None
             return {"indices": upcoming.indices, "played": played}
         with context.guard("generating the completions ahead", local=not self.scheduler.backend.collective):
             completions = upcoming.pending.result()
