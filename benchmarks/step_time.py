@@ -38,8 +38,9 @@ The whole step on each trainer's best path without vLLM (``--rollouts continuous
 continuous batching in both), on a task where most groups carry no signal (``--reward sparse``) and on a dense one:
 
     python benchmarks/step_time.py --device cuda --dtype bfloat16 --model qwen2 --trainers targetpo trl \
-        --rollouts continuous_batching --reward sparse --batch_size 256 --num_generations 8 \
-        --completion_length 1024 --num_iterations 1 --steps 6 --warmup 2 --rounds 2
+        --rollouts continuous_batching --reward sparse --eos_probability 0.0025 --num_generations 8 \
+        --batch_size 32 --steps_per_generation 8 --gradient_accumulation_steps 8 --completion_length 1024 \
+        --num_iterations 1 --steps 6 --warmup 2 --rounds 2
 """
 
 from __future__ import annotations
