@@ -83,9 +83,14 @@ def gradient_worker(rank, world_size, port, out_dir):
             },
             os.path.join(out_dir, f"{name}_rank{rank}.pt"),
         )
+    leave_without_teardown()
+
+
+def leave_without_teardown():
+    """Exit once every process has written its results, without tearing the gloo group down: freeing a DDP reducer
+    and its gloo group at interpreter exit can deadlock (the group's worker thread waits for the GIL its destructor
+    holds) or abort the process ("terminate called without an active exception")."""
     dist.barrier()
-    # Leave without tearing down: freeing a DDP reducer and its gloo group at interpreter exit can deadlock (the
-    # group's worker thread waits for the GIL its destructor holds). Every result is already on disk.
     os._exit(0)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch.multiprocessing as mp
 from conftest import letters_then_position_reward, make_config
 from datasets import Dataset
-from distributed_workers import tiny_model
+from distributed_workers import leave_without_teardown, tiny_model
 from test_distributed import free_port
 
 from targetpo import TargetPOConfig, TargetPOTrainer
@@ -125,6 +125,7 @@ def two_process_worker(rank, world_size, port, out_dir):
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
         json.dump(record, file)
+    leave_without_teardown()
 
 
 @pytest.mark.slow

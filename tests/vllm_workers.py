@@ -7,6 +7,7 @@ import time
 import traceback
 
 import torch
+from distributed_workers import leave_without_teardown
 from scripted_policies import script_one_bit_turns
 from transformers import TrainerCallback
 
@@ -213,10 +214,3 @@ def construction_worker(rank, world_size, port, base_url, out_dir, overrides):
     with open(os.path.join(out_dir, f"outcome_rank{rank}.json"), "w") as file:
         json.dump(outcome, file)
     leave_without_teardown()
-
-
-def leave_without_teardown():
-    """Exit once every process has written its results, without tearing the gloo group down: freeing it at
-    interpreter exit can abort the process or deadlock (see distributed_workers.gradient_worker)."""
-    torch.distributed.barrier()
-    os._exit(0)
