@@ -1,5 +1,5 @@
 """Rollout throughput without vLLM: transformers' continuous batching (targetpo's backend) vs padded `model.generate`
-(targetpo's default backend) vs TRL's continuous-batching call, side by side on one CPU.
+(targetpo's default backend) vs TRL's continuous-batching call, side by side in one run, on the CPU or a GPU.
 
 Completions end at EOS at lengths spread between `--min_tokens` and `--max_new_tokens`, fixed for every backend: a
 logits processor forces each next token from the last one (a counter that ends in EOS), and each prompt's last token
@@ -9,6 +9,12 @@ finished row's slot to no one but stops computing it. Generated tokens (up to an
 median of `--repeats` runs after a warm-up, and the ratios are reported.
 
     python benchmarks/rollout_backends.py --output docs/benchmarks/rollout_backends.json
+
+On a GPU, a Qwen2-shaped model of Qwen2.5-0.5B's width and vocabulary in bfloat16, 32 prompts x K = 8, completions of
+16 to 1,024 tokens:
+
+    python benchmarks/rollout_backends.py --device cuda --dtype bfloat16 --model qwen2 --prompts 32 \
+        --prompt_tokens 64 --max_new_tokens 1024 --repeats 1 --output docs/benchmarks/rollout_backends_gpu.json
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from machine import MODEL_SIZES, environment, report  # noqa: E402
+from step_time import add_qwen2_shape_arguments  # noqa: E402
 from transformers import GenerationConfig, LogitsProcessor, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from transformers.generation import ContinuousBatchingConfig  # noqa: E402
 
@@ -36,7 +43,12 @@ PAD, EOS, FIRST_COUNTER = 0, 1, 2  # token ids; the counter's tokens follow FIRS
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="demo", choices=list(MODEL_SIZES))
+    parser.add_argument("--model", default="demo", choices=[*MODEL_SIZES, "qwen2"],
+                        help="qwen2: the shape --hidden_size ... --vocab_size give (by default Qwen2.5-0.5B's width "
+                        "and vocabulary at half its depth); the others: the benchmarks' small models.")
+    add_qwen2_shape_arguments(parser)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--prompt_tokens", type=int, default=32)
@@ -76,6 +88,26 @@ def with_processor(model: torch.nn.Module, processor: LogitsProcessor) -> None:
     model._get_logits_processor = extended
 
 
+def model_config(args: argparse.Namespace, last_counter: int) -> Qwen2Config:
+    """A Qwen2 model whose vocabulary holds the counter: the qwen2 shape's (a real model's size), else just the
+    counter's tokens."""
+    positions = args.prompt_tokens + args.max_new_tokens
+    special = dict(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=True)
+    if args.model == "qwen2":
+        if args.vocab_size <= last_counter:
+            raise ValueError(f"--vocab_size {args.vocab_size} cannot hold the counter: it must exceed {last_counter}.")
+        return Qwen2Config(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+            num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+            num_key_value_heads=args.num_kv_heads, max_position_embeddings=positions, **special,
+        )
+    hidden, layers, heads = MODEL_SIZES[args.model]
+    return Qwen2Config(
+        vocab_size=last_counter + 1, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(1024, positions), **special,
+    )
+
+
 def rollout_prompts(args: argparse.Namespace, last_counter: int) -> tuple[list[list[int]], list[int]]:
     """Each completion's prompt (random tokens, then the counter's start) and the length it will have."""
     rng = random.Random(args.seed)
@@ -89,10 +121,11 @@ def rollout_prompts(args: argparse.Namespace, last_counter: int) -> tuple[list[l
     return prompts, lengths
 
 
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    return ids, (torch.arange(width) >= width - torch.tensor([[len(p)] for p in prompts])).long()
+    mask = (torch.arange(width) >= width - torch.tensor([[len(p)] for p in prompts])).long()
+    return ids.to(device), mask.to(device)
 
 
 def trl_style(model: torch.nn.Module, settings: SamplingSettings):
@@ -126,20 +159,14 @@ def timed(generate, repeats: int) -> tuple[float, int]:
 def main() -> None:
     args = parse_args()
     last_counter = FIRST_COUNTER + args.max_new_tokens
-    hidden, layers, heads = MODEL_SIZES[args.model]
-    config = Qwen2Config(
-        vocab_size=last_counter + 1, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024, pad_token_id=PAD,
-        eos_token_id=EOS, tie_word_embeddings=True,
-    )
     torch.manual_seed(args.seed)
-    model = Qwen2ForCausalLM(config).eval()
+    model = Qwen2ForCausalLM(model_config(args, last_counter)).eval().to(args.device, getattr(torch, args.dtype))
     settings = SamplingSettings(max_new_tokens=args.max_new_tokens, eos_token_ids=(EOS,), pad_token_id=PAD)
     opened = lambda: contextlib.nullcontext(model)  # noqa: E731
     engine, padded = ContinuousBatchingBackend(settings, opened, model), TransformersBackend(settings, opened)
     with_processor(model, CountToEOS(last_counter))  # after the engine's check, which refuses processors it does not know
     prompts, lengths = rollout_prompts(args, last_counter)
-    prompt_ids, prompt_mask = left_padded(prompts)
+    prompt_ids, prompt_mask = left_padded(prompts, args.device)
     trl = trl_style(model, settings)
     runs = {
         "continuous_batching": lambda: int(engine.generate(prompt_ids, prompt_mask).attention_mask.sum()),
@@ -162,7 +189,8 @@ def main() -> None:
         "continuous_batching_over_trl": round(rates["continuous_batching"] / rates["trl_generate_batch"], 2),
     }
     print(json.dumps(result), flush=True)
-    report(environment(cpu_threads=torch.get_num_threads()), [result], args.output)
+    on_gpu = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if args.device == "cuda" else {}
+    report(environment(cpu_threads=torch.get_num_threads(), dtype=args.dtype, **on_gpu), [result], args.output)
 
 
 if __name__ == "__main__":

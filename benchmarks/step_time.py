@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import math
@@ -114,6 +115,38 @@ class StepTimer(TrainerCallback):
         self._last = now
 
 
+class PhaseClock(TrainerCallback):
+    """Where each optimiser step's time goes: the seconds it spends in generation and in the reward function (timed
+    around those calls, after a CUDA synchronize on a GPU); the rest of the step is the log-prob passes, the loss,
+    backward and the optimiser. :meth:`timed` wraps the calls to time."""
+
+    PHASES = ("generation", "reward")
+
+    def __init__(self, synchronize: bool = False):
+        self.steps: list[dict[str, float]] = []
+        self._synchronize = synchronize
+        self._current = dict.fromkeys(self.PHASES, 0.0)
+
+    def timed(self, phase: str, function):
+        @functools.wraps(function)
+        def timed_call(*args, **kwargs):
+            if self._synchronize:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self._synchronize:
+                    torch.cuda.synchronize()
+                self._current[phase] += time.perf_counter() - start
+
+        return timed_call
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(self._current)
+        self._current = dict.fromkeys(self.PHASES, 0.0)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_iterations", type=int, nargs="+", default=[1, 4])
@@ -139,6 +172,10 @@ def parse_args() -> argparse.Namespace:
                         help="demo: the embedded demo model on the reversal task; qwen2: a Qwen2-shaped model with "
                         "random weights, a word-level tokenizer of --vocab_size tokens, random prompts, dense reward.")
     add_qwen2_shape_arguments(parser)
+    parser.add_argument("--eos_probability", type=float, default=None,
+                        help="qwen2 model: set its weights so that EOS comes with about this probability at every "
+                        "step (1/400: lengths spread from a few tokens to past 1,024); unset, completions run to the "
+                        "length limit.")
     parser.add_argument("--prompt_length", type=int, default=64, help="Prompt tokens (qwen2 model).")
     parser.add_argument("--completion_length", type=int, default=256, help="max_completion_length (qwen2 model).")
     parser.add_argument("--rollouts", choices=("generate", "continuous_batching"), default="generate",
@@ -160,10 +197,6 @@ def add_qwen2_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num_kv_heads", type=int, default=2)
     parser.add_argument("--intermediate_size", type=int, default=4864)
     parser.add_argument("--vocab_size", type=int, default=151936)
-    parser.add_argument("--eos_probability", type=float, default=None,
-                        help="qwen2 model: set its weights so that EOS comes with about this probability at every "
-                        "step (1/400: lengths spread from a few tokens to past 1,024); unset, completions run to the "
-                        "length limit.")
 
 
 def word_tokenizer(vocab_size: int):
@@ -304,22 +337,30 @@ def timed_run(trainer_class, config_class, args, task, num_iterations, **config_
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()  # the shared initial weights, kept for the next runs
-    timer = StepTimer(synchronize=on_gpu)
+    timer, clock = StepTimer(synchronize=on_gpu), PhaseClock(synchronize=on_gpu)
     settings = shared_settings(args, task, num_iterations, f"/tmp/step_time_{trainer_class.__name__}")
+    model = task.model()
+    ours = issubclass(trainer_class, TargetPOTrainer)
+    if not ours:  # TRL generates through the model's own methods (generate_batch with continuous batching)
+        for method in ("generate", "generate_batch"):
+            setattr(model, method, clock.timed("generation", getattr(model, method)))
     trainer = trainer_class(
-        model=task.model(),
-        reward_funcs=task.reward,
+        model=model,
+        reward_funcs=clock.timed("reward", task.reward),
         args=config_class(**settings, **config_overrides),
         train_dataset=task.dataset,
         processing_class=task.tokenizer,
-        callbacks=[timer],
+        callbacks=[timer, clock],
     )
+    if ours:  # every rollout goes through the backend, whichever it is
+        trainer.rollout_backend.generate = clock.timed("generation", trainer.rollout_backend.generate)
     trainer.train()
     logs = trainer.state.log_history
     peak_gb = (torch.cuda.max_memory_allocated() - baseline) / 2**30 if on_gpu else None
     del trainer
     gc.collect()
-    return timer.seconds[args.warmup :], logs, peak_gb
+    phases = [{**step, "total": total} for step, total in zip(clock.steps, timer.seconds)][args.warmup :]
+    return timer.seconds[args.warmup :], logs, peak_gb, phases
 
 
 def main() -> None:
@@ -341,10 +382,13 @@ def main() -> None:
     if args.one_run:  # a child of a --before comparison: one run, its results on the last line
         trainer_class, config_class, overrides = runs["targetpo" if args.one_run == BEFORE else args.one_run]
         overrides = {**overrides, "bf16": True} if bf16 else overrides
-        timed, logs, peak_gb = timed_run(trainer_class, config_class, args, task, args.num_iterations[0], **overrides)
+        timed, logs, peak_gb, phases = timed_run(
+            trainer_class, config_class, args, task, args.num_iterations[0], **overrides
+        )
         import targetpo
 
-        print(json.dumps({"seconds": timed, "logs": logs, "peak_gb": peak_gb, "targetpo": targetpo.__file__}))
+        print(json.dumps({"seconds": timed, "logs": logs, "peak_gb": peak_gb, "phases": phases,
+                          "targetpo": targetpo.__file__}))
         return
     old_checkout_path = None
     if args.before:
@@ -357,7 +401,7 @@ def main() -> None:
     compare(args, task, runs, old_checkout_path)
 
 
-def run_in_child(name: str, num_iterations: int, before: Path) -> tuple[list[float], list[dict], float | None]:
+def run_in_child(name: str, num_iterations: int, before: Path) -> tuple[list[float], list[dict], float | None, list]:
     """One run of ``name`` in a fresh process: targetpo from ``before`` for ``targetpo_before``, else this checkout."""
     here = Path(__file__).resolve().parent
     repository = before if name == BEFORE else here.parent
@@ -371,7 +415,7 @@ def run_in_child(name: str, num_iterations: int, before: Path) -> tuple[list[flo
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not Path(result["targetpo"]).resolve().is_relative_to(repository.resolve()):
         raise RuntimeError(f"the {name} run imported targetpo from {result['targetpo']}, not from {repository}")
-    return result["seconds"], result["logs"], result["peak_gb"]
+    return result["seconds"], result["logs"], result["peak_gb"], result.get("phases", [])
 
 
 def strip_options(arguments: list[str], options: tuple[str, ...]) -> list[str]:
@@ -392,16 +436,20 @@ def compare(args: argparse.Namespace, task: Task, runs: dict, old_checkout_path:
     for num_iterations in args.num_iterations:
         seconds = {name: [] for name in args.trainers}
         peaks = {name: [] for name in args.trainers}
+        phases = {name: [] for name in args.trainers}
         skipped_fractions = []
         for _ in range(args.rounds):
             for name in args.trainers:
                 if args.before:
-                    timed, logs, peak_gb = run_in_child(name, num_iterations, old_checkout_path)
+                    timed, logs, peak_gb, steps = run_in_child(name, num_iterations, old_checkout_path)
                 else:
                     trainer_class, config_class, overrides = runs[name]
                     overrides = {**overrides, "bf16": True} if bf16 else overrides
-                    timed, logs, peak_gb = timed_run(trainer_class, config_class, args, task, num_iterations, **overrides)
+                    timed, logs, peak_gb, steps = timed_run(
+                        trainer_class, config_class, args, task, num_iterations, **overrides
+                    )
                 seconds[name] += timed
+                phases[name] += steps
                 peaks[name].append(peak_gb)
                 if name == "targetpo":
                     skipped_fractions += [
@@ -425,6 +473,11 @@ def compare(args: argparse.Namespace, task: Task, runs: dict, old_checkout_path:
         if skipped_fractions:
             result["targetpo_skipped_fraction"] = round(statistics.mean(skipped_fractions), 3)
         result["steps_timed_each"] = len(seconds[args.trainers[0]])
+        for name in args.trainers:  # where the time goes: seconds per step, means over the timed steps
+            if phases[name]:
+                split = {phase: statistics.fmean(step[phase] for step in phases[name]) for phase in PhaseClock.PHASES}
+                split["rest"] = statistics.fmean(step["total"] for step in phases[name]) - sum(split.values())
+                result[f"{name}_phases_s"] = {phase: round(value, 4) for phase, value in split.items()}
         if args.device == "cuda":
             for name in args.trainers:
                 result[f"{name}_peak_gpu_memory_gb"] = round(max(peaks[name]), 2)

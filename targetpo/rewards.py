@@ -372,3 +372,29 @@ def accuracy_reward(completions: Sequence[Any], solution: Sequence[str], **kwarg
         answer = parse(text, parsing_timeout=timeout)
         scores.append(float(verify(gold, answer, timeout_seconds=timeout)))
     return scores
+
+
+class RewardsUnderTRLNames:
+    """The reward attributes TRL's GRPOTrainer has, read from the trainer's ``reward_scorer``, so that code reading
+    them ports unchanged: the functions and models (a model id given as a string, loaded), their names, their weights,
+    and each one's tokenizer (None for a function). Read-only: the scorer is built with the trainer."""
+
+    reward_scorer: RewardScorer
+
+    @property
+    def reward_funcs(self) -> list[Any]:
+        return self.reward_scorer.funcs
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """Each one's name, as its metrics log it (``rewards/<name>/mean``); an environment class's ``get_reward()``
+        comes last, under the class's name."""
+        return list(self.reward_scorer.names)
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        return self.reward_scorer.weights
+
+    @property
+    def reward_processing_classes(self) -> list[Any]:
+        return self.reward_scorer.tokenizers

@@ -34,7 +34,7 @@ from .objectives.settings import trains_whole_groups
 from .reporting.completions import CompletionsLog
 from .reporting.metrics import MetricsRecorder, record_targets
 from .reporting.run_summary import RunSummary, announce_run, processes_asked_here, rollouts_description
-from .rewards import RewardFunc, RewardScorer
+from .rewards import RewardFunc, RewardScorer, RewardsUnderTRLNames
 from .rollout.context import RolloutContext
 from .rollout.in_progress import RolloutInProgress
 from .rollout.scheduler import RolloutScheduler
@@ -44,7 +44,7 @@ from .step.plan import StepPlan, check_passes_supported
 from .step.run import StepRunner
 
 
-class TargetPOTrainer(CheckpointsWrittenWhole, Trainer):
+class TargetPOTrainer(CheckpointsWrittenWhole, RewardsUnderTRLNames, Trainer):
     """Fine-tune a causal language model with Target Policy Optimization.
 
     Args:
@@ -263,12 +263,6 @@ class TargetPOTrainer(CheckpointsWrittenWhole, Trainer):
 
         The backend the trainer built stays open, so the new one may wrap it; :meth:`close` closes it."""
         self._scheduler.use_backend(backend)
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        """Each reward function's name, as its metrics log it (``rewards/<name>/mean``); an environment class's
-        ``get_reward()`` comes last, under the class's name."""
-        return list(self.reward_scorer.names)
 
     @property
     def environments(self) -> list[Any] | None:

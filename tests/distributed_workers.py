@@ -145,5 +145,4 @@ def fsdp2_generation_worker(rank, world_size, port, out_dir):
         },
         os.path.join(out_dir, f"fsdp2_rank{rank}.pt"),
     )
-    dist.barrier()
-    os._exit(0)
+    leave_without_teardown()

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from conftest import make_config
 from datasets import Dataset
+from distributed_workers import leave_without_teardown
 
 from targetpo import TargetPOTrainer
 from targetpo.demo import (
@@ -85,5 +86,4 @@ def two_process_game_worker(rank, world_size, port, out_dir, collective):
             {"generate_calls": len(backend.limits), "conversations": conversations, "log": trainer.state.log_history},
             file,
         )
-    torch.distributed.barrier()
-    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+    leave_without_teardown()

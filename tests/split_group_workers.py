@@ -12,6 +12,7 @@ import os
 
 import torch
 from datasets import Dataset
+from distributed_workers import leave_without_teardown
 from transformers import TrainerCallback
 
 from targetpo import TargetPOConfig, TargetPOTrainer
@@ -127,5 +128,4 @@ def two_process_worker(rank, world_size, port, out_dir, cases, on_trainer=None):
         torch.save(trainer.recorded, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
         if prepare is not None:
             torch.save(trainer.shared_passes, os.path.join(out_dir, f"{name}_rank{rank}_shared_passes.pt"))
-    torch.distributed.barrier()
-    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+    leave_without_teardown()

@@ -662,6 +662,28 @@ def test_reward_functions_log_metrics_and_table_columns(tmp_path, tiny_model, to
         ).train()
 
 
+def test_the_reward_attributes_trls_trainer_has_are_there_under_its_names(tmp_path, tiny_model, tokenizer,
+                                                                          prompt_dataset):
+    """A TRL script that reads trainer.reward_funcs, reward_func_names, reward_weights or reward_processing_classes
+    ports unchanged: each holds what the trainer scores with, in the order given."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    def brevity(completions, **kwargs):
+        return [-float(len(c)) for c in completions]
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    judge = Qwen2ForSequenceClassification(config)
+    args = make_config(tmp_path, reward_weights=[0.5, 2.0])
+    trainer = GRPOTrainer(tiny_model, [brevity, judge], args=args, train_dataset=prompt_dataset,
+                          processing_class=tokenizer, reward_processing_classes=[None, tokenizer])
+    assert trainer.reward_funcs == [brevity, judge]
+    assert trainer.reward_func_names == ["brevity", "Qwen2ForSequenceClassification"]
+    assert torch.equal(trainer.reward_weights, torch.tensor([0.5, 2.0]))
+    assert trainer.reward_processing_classes == [None, tokenizer]
+    assert trainer.reward_funcs is trainer.reward_scorer.funcs  # what scores, not a copy
+
+
 def test_log_completions_hub_repo_is_refused_offline_and_pushes_each_logged_table(
     tmp_path, tiny_model, tokenizer, prompt_dataset, monkeypatch
 ):

@@ -5,12 +5,14 @@ rollouts, every refusal, and a short training run."""
 import contextlib
 import gc
 import json
+import math
 
 import pytest
 import torch
 from conftest import make_config, snapshot
-from scripted_policies import script_ended_or_cut
+from scripted_policies import place_tokens, script_ended_or_cut
 from transformers.generation.continuous_batching import PagedAttentionCache
+from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper, TopPLogitsWarper
 
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo.demo import build_char_tokenizer, build_tiny_causal_lm
@@ -34,15 +36,25 @@ def prompts(tokenizer, texts=("Say cat:", "hi:", "Say a much longer thing:", "x:
     return encoded.input_ids, encoded.attention_mask
 
 
-def model_logps(model, prompt_ids, prompt_mask, completion_ids, temperature):
-    """Each completion token's log-prob under the model at ``temperature``, from one padded forward pass."""
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids):
+    """The model's next-token logits at each completion token, from one padded forward pass."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    logits = logits[:, prompt_ids.size(1) - 1 : -1] / temperature
+    return logits[:, prompt_ids.size(1) - 1 : -1]
+
+
+def model_logps(model, prompt_ids, prompt_mask, completion_ids, temperature):
+    """Each completion token's log-prob under the model at ``temperature``, from one padded forward pass."""
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids) / temperature
     return logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def written(ids, mask):
+    """Each row's tokens within its mask, as lists: completions of any padded width compare."""
+    return [row[row_mask.bool()].tolist() for row, row_mask in zip(ids, mask)]
 
 
 @pytest.fixture
@@ -84,11 +96,51 @@ def test_a_completion_ends_at_its_first_eos_and_one_without_runs_to_the_limit_tr
     assert torch.equal(out.sampler_logps != 0, out.attention_mask.bool() & (out.sampler_logps != 0))
 
 
+def test_a_completion_ends_at_its_first_stop_token_of_either_kind(tokenizer, model):
+    """Two stop ids, EOS and "z", and scripted weights that fix each prompt's completion (by 24 nats a token or
+    more): after "1" an "a" then EOS, after "2" a "b" then "z", after "b" a "z" at once, after "c" more "c"s up to
+    the limit. Past a stop id the script writes it again, so an engine that stopped at one kind only runs on."""
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in "12abcz"}
+    eos, z = tokenizer.eos_token_id, ids["z"]
+
+    def at(degrees, radius):
+        return radius * math.cos(math.radians(degrees)), radius * math.sin(math.radians(degrees))
+
+    place_tokens(model, {ids["1"]: at(10, 0.6), ids["a"]: at(45, 4), eos: at(90, 8),
+                         ids["2"]: at(-10, 0.6), ids["b"]: at(-45, 4), z: at(-90, 8), ids["c"]: at(180, 2)})
+    cb, _ = backends(model, settings_for(tokenizer, max_new_tokens=6, eos_token_ids=(eos, z)))
+    out = cb.generate(*prompts(tokenizer, ["Say 1", "Say 2", "Go c", "Say b"] * 2))
+    assert written(out.ids, out.attention_mask) == [[ids["a"], eos], [ids["b"], z], [ids["c"]] * 6, [z]] * 2
+    assert out.lengths.tolist() == [2, 2, 6, 1] * 2 and out.truncated.tolist() == [False, False, True, False] * 2
+    assert (out.ids[out.attention_mask == 0] == tokenizer.pad_token_id).all()  # nothing written past a stop
+
+
 def test_sampling_log_probs_are_the_models_own_at_the_sampling_temperature(tokenizer, model):
     cb, _ = backends(model, settings_for(tokenizer, temperature=0.7))
     prompt_ids, prompt_mask = prompts(tokenizer)
     out = cb.generate(prompt_ids, prompt_mask)
     expected = model_logps(model, prompt_ids, prompt_mask, out.ids, temperature=0.7) * out.attention_mask
+    torch.testing.assert_close(out.sampler_logps, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cut", [dict(top_p=0.8), dict(min_p=0.1)], ids=["top_p", "min_p"])
+def test_top_p_and_min_p_are_honoured_exactly(tokenizer, model, cut):
+    """The engine's log-probs are those of transformers' own warpers (temperature, then the cut) over the model's
+    logits, and every sampled token is one the cut kept. The final norm is scaled up: the random model's next-token
+    distribution is nearly flat, and min_p=0.1 would keep every token of it."""
+    with torch.no_grad():
+        model.model.norm.weight.mul_(3.0)
+    cb, _ = backends(model, settings_for(tokenizer, temperature=0.7, **cut))
+    prompt_ids, prompt_mask = prompts(tokenizer)
+    out = cb.generate(prompt_ids, prompt_mask)
+    logits = completion_logits(model, prompt_ids, prompt_mask, out.ids)
+    warper = TopPLogitsWarper(cut["top_p"]) if "top_p" in cut else MinPLogitsWarper(cut["min_p"])
+    warped = warper(None, TemperatureLogitsWarper(0.7)(None, logits.flatten(0, 1))).view_as(logits)
+    within = out.attention_mask.bool()
+    assert torch.isinf(warped[within]).any()  # the cut dropped tokens: its log-probs are not the tempered ones
+    logps = warped.log_softmax(-1).gather(-1, out.ids.unsqueeze(-1)).squeeze(-1)
+    assert torch.isfinite(logps[within]).all()  # no sampled token outside the kept set
+    expected = torch.where(within, logps, 0.0)  # past a completion's end the padding may be cut (-inf)
     torch.testing.assert_close(out.sampler_logps, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -182,6 +234,66 @@ def test_the_former_name_and_a_json_file_of_engine_settings_are_taken(tmp_path):
     with pytest.raises(ValueError, match=r"keys \['num_block'\] are not ContinuousBatchingConfig fields"):
         TargetPOConfig(output_dir=str(tmp_path), report_to="none",
                        transformers_continuous_batching_config={"num_block": 8})
+
+
+# ------------------------------------------------------------------------------------------ evaluation and rollout_func
+def test_evaluation_generates_through_the_engine_what_model_generate_writes(tmp_path, tokenizer, model,
+                                                                             prompt_dataset):
+    """evaluate() samples with the engine too: one engine call per evaluation batch, and under top_k=1 each batch's
+    completions are what the padded backend writes for the batch's prompts."""
+    args = make_config(tmp_path, use_transformers_continuous_batching=True, top_k=1, per_device_eval_batch_size=8,
+                       vllm_importance_sampling_correction=False)
+    trainer = TargetPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                              eval_dataset=prompt_dataset.select(range(4)), processing_class=tokenizer)
+    batches = []
+    original = trainer._rollout
+    trainer._rollout = lambda rows, mode: batches.append((mode, original(rows, mode))) or batches[-1][1]
+    trainer.evaluate()
+    engine = trainer.rollout_backend
+    assert isinstance(engine, ContinuousBatchingBackend)
+    assert [mode for mode, _ in batches] == ["eval", "eval"] and len(engine.cache_sizes) == 2
+    padded = TransformersBackend(trainer.sampling, lambda: contextlib.nullcontext(trainer.model))
+    for _, batch in batches:
+        theirs = padded.generate(batch.prompt_ids, batch.prompt_mask)
+        assert written(batch.completion_ids, batch.completion_attention_mask) == written(theirs.ids,
+                                                                                          theirs.attention_mask)
+
+
+def test_a_rollout_funcs_turns_go_through_the_engine_and_are_what_model_generate_writes(tmp_path, tokenizer, model,
+                                                                                         prompt_dataset):
+    """A rollout_func generating two turns with trainer.rollout_backend in one session(), each with its own
+    max_new_tokens: each turn is one engine call, and under top_k=1 writes what the padded backend writes for the
+    same inputs at the same weights."""
+    args = make_config(tmp_path, use_transformers_continuous_batching=True, top_k=1, max_steps=1,
+                       max_completion_length=8, vllm_importance_sampling_correction=False)
+    reply = tokenizer("=", add_special_tokens=False)["input_ids"]
+    turns = []
+
+    def generate_turn(trainer, contexts, max_new_tokens):
+        encoded = tokenizer.pad({"input_ids": contexts}, padding_side="left", return_tensors="pt")
+        ours = trainer.rollout_backend.generate(encoded.input_ids, encoded.attention_mask,
+                                                max_new_tokens=max_new_tokens)
+        padded = TransformersBackend(trainer.sampling, lambda: contextlib.nullcontext(trainer.model))
+        theirs = padded.generate(encoded.input_ids, encoded.attention_mask, max_new_tokens=max_new_tokens)
+        turns.append((written(ours.ids, ours.attention_mask), written(theirs.ids, theirs.attention_mask)))
+        return turns[-1][0]
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+        with trainer.rollout_backend.session():
+            first = generate_turn(trainer, prompt_ids, max_new_tokens=3)
+            contexts = [ids + turn + reply for ids, turn in zip(prompt_ids, first)]
+            second = generate_turn(trainer, contexts, max_new_tokens=4)
+        return {"prompt_ids": prompt_ids, "completion_ids": [a + reply + b for a, b in zip(first, second)],
+                "env_mask": [[1] * len(a) + [0] * len(reply) + [1] * len(b) for a, b in zip(first, second)]}
+
+    trainer = TargetPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                              train_dataset=prompt_dataset, processing_class=tokenizer, rollout_func=rollout_func)
+    trainer.train()
+    assert isinstance(trainer.rollout_backend, ContinuousBatchingBackend)
+    assert len(turns) == 2 and len(trainer.rollout_backend.cache_sizes) == 2
+    assert [ours for ours, _ in turns] == [theirs for _, theirs in turns]
+    assert [max(map(len, ours)) for ours, _ in turns] == [3, 4]  # each turn's own max_new_tokens
 
 
 # ------------------------------------------------------------------------------------------------ training

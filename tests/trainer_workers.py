@@ -5,7 +5,7 @@ import os
 
 import torch
 from datasets import Dataset
-from distributed_workers import NUM_GENERATIONS, make_batch, tiny_model
+from distributed_workers import NUM_GENERATIONS, leave_without_teardown, make_batch, tiny_model
 
 from targetpo import TargetPOConfig, TargetPOTrainer
 from targetpo import functional as F
@@ -70,8 +70,7 @@ def trainer_loss_worker(rank, world_size, port, out_dir):
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.accelerator.unwrap_model(model).named_parameters()}
         torch.save({"loss": loss.detach(), "grads": grads}, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
-    torch.distributed.barrier()
-    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+    leave_without_teardown()
 
 
 #: Ten distinct prompts: in the runs below a stream of them runs out, drops its trailing partial rollout and starts
@@ -168,8 +167,7 @@ def stream_share_worker(rank, world_size, port, out_dir):
             )
             if kind == "map" and name == STREAM_CASES[0][0]:
                 save_late_evaluations(trainer, seen, os.path.join(out_dir, f"evaluate_rank{rank}.pt"))
-    torch.distributed.barrier()
-    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+    leave_without_teardown()
 
 
 #: Eight prompts: with 2 processes × 4 rows a rollout holds 2 prompts, so an epoch is 4 rollouts (4 optimiser steps).
@@ -205,5 +203,4 @@ def resume_in_second_epoch_worker(rank, world_size, port, out_dir):
         runs[name] = {"seen": seen, "weights": torch.cat([p.detach().flatten() for p in model.parameters()])}
         torch.distributed.barrier()  # the checkpoint is whole on every process before the resumed run reads it
     torch.save(runs, os.path.join(out_dir, f"resume_rank{rank}.pt"))
-    torch.distributed.barrier()
-    os._exit(0)  # no teardown of the gloo group at exit (see distributed_workers.gradient_worker)
+    leave_without_teardown()
