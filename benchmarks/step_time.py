@@ -91,6 +91,13 @@ QWEN2_SETTINGS = (
 )
 
 
+def now(synchronize: bool) -> float:
+    """``time.perf_counter()``, after the queued GPU kernels have finished when ``synchronize``."""
+    if synchronize:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class StepTimer(TrainerCallback):
     """Wall-clock seconds of every optimiser step, from the end of the step before (or the start of training) to its
     own end: everything the run spends on the step, reading its batches from the dataloader and logging included (on
@@ -101,18 +108,13 @@ class StepTimer(TrainerCallback):
         self._last = 0.0
         self._synchronize = synchronize
 
-    def _now(self) -> float:
-        if self._synchronize:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def on_train_begin(self, args, state, control, **kwargs):
-        self._last = self._now()
+        self._last = now(self._synchronize)
 
     def on_step_end(self, args, state, control, **kwargs):
-        now = self._now()
-        self.seconds.append(now - self._last)
-        self._last = now
+        ended = now(self._synchronize)
+        self.seconds.append(ended - self._last)
+        self._last = ended
 
 
 class PhaseClock(TrainerCallback):
@@ -130,15 +132,11 @@ class PhaseClock(TrainerCallback):
     def timed(self, phase: str, function):
         @functools.wraps(function)
         def timed_call(*args, **kwargs):
-            if self._synchronize:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = now(self._synchronize)
             try:
                 return function(*args, **kwargs)
             finally:
-                if self._synchronize:
-                    torch.cuda.synchronize()
-                self._current[phase] += time.perf_counter() - start
+                self._current[phase] += now(self._synchronize) - start
 
         return timed_call
 

@@ -25,10 +25,15 @@ def settings_for(tokenizer, **overrides):
     return SamplingSettings(**{**fields, **overrides})
 
 
+def padded_backend(model, settings):
+    """Padded ``model.generate`` over ``model``: what the engine's completions are compared with."""
+    return TransformersBackend(settings, lambda: contextlib.nullcontext(model))
+
+
 def backends(model, settings):
     """The continuous-batching backend and the padded one, over the same policy."""
-    opened = lambda: contextlib.nullcontext(model)  # noqa: E731
-    return ContinuousBatchingBackend(settings, opened, model), TransformersBackend(settings, opened)
+    return ContinuousBatchingBackend(settings, lambda: contextlib.nullcontext(model), model), padded_backend(
+        model, settings)
 
 
 def prompts(tokenizer, texts=("Say cat:", "hi:", "Say a much longer thing:", "x:")):
@@ -252,7 +257,7 @@ def test_evaluation_generates_through_the_engine_what_model_generate_writes(tmp_
     engine = trainer.rollout_backend
     assert isinstance(engine, ContinuousBatchingBackend)
     assert [mode for mode, _ in batches] == ["eval", "eval"] and len(engine.cache_sizes) == 2
-    padded = TransformersBackend(trainer.sampling, lambda: contextlib.nullcontext(trainer.model))
+    padded = padded_backend(trainer.model, trainer.sampling)
     for _, batch in batches:
         theirs = padded.generate(batch.prompt_ids, batch.prompt_mask)
         assert written(batch.completion_ids, batch.completion_attention_mask) == written(theirs.ids,
@@ -273,8 +278,7 @@ def test_a_rollout_funcs_turns_go_through_the_engine_and_are_what_model_generate
         encoded = tokenizer.pad({"input_ids": contexts}, padding_side="left", return_tensors="pt")
         ours = trainer.rollout_backend.generate(encoded.input_ids, encoded.attention_mask,
                                                 max_new_tokens=max_new_tokens)
-        padded = TransformersBackend(trainer.sampling, lambda: contextlib.nullcontext(trainer.model))
-        theirs = padded.generate(encoded.input_ids, encoded.attention_mask, max_new_tokens=max_new_tokens)
+        theirs = padded_backend(trainer.model, trainer.sampling).generate(encoded.input_ids, encoded.attention_mask, max_new_tokens=max_new_tokens)
         turns.append((written(ours.ids, ours.attention_mask), written(theirs.ids, theirs.attention_mask)))
         return turns[-1][0]
 
